@@ -1,0 +1,95 @@
+// Every schema of torch.ops.layernorm_ext lives here, plus the autocast policy and the pybind11 module
+// (build information only: the ops themselves are reached through the dispatcher, never through pybind).
+//
+// Forward ops return the per-row statistics the backward needs (float32, float64 for float64 rows), and,
+// when a residual is fused in, h = input + residual as residual_out. Outputs a variant does not produce are
+// empty tensors of shape [0] (a schema cannot return None). memory_efficient only tells the autograd formula
+// (layernorm_ext/ops.py) to save the output instead of the input; kernels ignore it. rms_norm_fwd's eps=None
+// means the machine epsilon of the normalized rows' dtype, as in torch.nn.functional.rms_norm. Device kernels register in csrc/cpu and
+// csrc/cuda with TORCH_LIBRARY_IMPL and never change these schemas.
+#include <ATen/autocast_mode.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+#include <torch/version.h>
+
+#include "norm.h"
+
+TORCH_LIBRARY(layernorm_ext, m) {
+  m.def(
+      "layer_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
+      "Tensor? residual=None, bool residual_in_fp32=False, bool memory_efficient=False) "
+      "-> (Tensor out, Tensor residual_out, Tensor mean, Tensor rstd)");
+  m.def(
+      "rms_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps, "
+      "Tensor? residual=None, bool residual_in_fp32=False, bool memory_efficient=False) "
+      "-> (Tensor out, Tensor residual_out, Tensor rstd)");
+  // saved is h (the normalized input) or, with saved_is_output, the forward's out (memory-efficient mode).
+  // grad_residual_out, when given, is added to grad_input (the gradient of h).
+  m.def(
+      "layer_norm_bwd(Tensor grad_out, Tensor saved, Tensor mean, Tensor rstd, SymInt[] normalized_shape, "
+      "Tensor? weight, Tensor? bias, bool saved_is_output=False, Tensor? grad_residual_out=None) "
+      "-> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+  m.def(
+      "rms_norm_bwd(Tensor grad_out, Tensor saved, Tensor rstd, SymInt[] normalized_shape, Tensor? weight, "
+      "bool saved_is_output=False, Tensor? grad_residual_out=None) "
+      "-> (Tensor grad_input, Tensor grad_weight)");
+}
+
+namespace {
+
+// torch.autocast on CUDA runs layer_norm and rms_norm in float32 (both are on ATen's fp32 list): cast every
+// float16/bfloat16 CUDA tensor argument to float32 and call the op again below the autocast keys. On CPU ATen
+// leaves the norms alone under autocast, and so do we (the CPU autocast key falls through).
+void autocast_cuda_to_fp32(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const auto num_args = op.schema().arguments().size();
+  for (auto it = stack->end() - static_cast<std::ptrdiff_t>(num_args); it != stack->end(); ++it) {
+    if (!it->isTensor()) continue;
+    const at::Tensor& t = it->toTensor();
+    if (t.defined() && t.is_cuda() && (t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16)) {
+      *it = t.to(at::kFloat);
+    }
+  }
+  op.callBoxed(stack);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(layernorm_ext, AutocastCUDA, m) {
+  m.impl("layer_norm_fwd", torch::CppFunction::makeFromBoxedFunction<&autocast_cuda_to_fp32>());
+  m.impl("rms_norm_fwd", torch::CppFunction::makeFromBoxedFunction<&autocast_cuda_to_fp32>());
+}
+
+namespace {
+
+pybind11::dict build_info() {
+  pybind11::dict info;
+  info["torch_version"] = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
+                          std::to_string(TORCH_VERSION_PATCH);
+#ifdef LAYERNORM_EXT_WITH_CUDA
+  info["with_cuda"] = true;
+#else
+  info["with_cuda"] = false;
+#endif
+  info["cpu_isa"] = layernorm_ext::cpu::isa_name();
+#if defined(__clang__)
+  info["compiler"] = std::string("clang ") + __clang_version__;
+#elif defined(__GNUC__)
+  info["compiler"] = std::string("gcc ") + __VERSION__;
+#else
+  info["compiler"] = "unknown";
+#endif
+#ifdef _OPENMP
+  info["openmp"] = true;
+#else
+  info["openmp"] = false;
+#endif
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.doc() = "layernorm_ext native library: registers torch.ops.layernorm_ext.* on import";
+  module.def("build_info", &build_info, "How this library was built: torch version, CUDA, CPU instruction set");
+}

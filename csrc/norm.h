@@ -1,0 +1,115 @@
+// Shared declarations of layernorm_ext: the kernel parameter blocks that every device fills the same way,
+// the argument checks (one place for CPU and CUDA), and the device-independent op bodies that allocate
+// outputs and hand a parameter block to a device's kernel launcher.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/SymIntArrayRef.h>
+
+#include <functional>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace layernorm_ext {
+
+using at::ScalarType;
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+// One forward call: rows x cols, row-major, every pointer contiguous. h = input (+ residual) is the row that
+// gets normalized; with a residual it is written to residual_out in h_type. mean is unused for RMSNorm.
+struct NormForwardParams {
+  const void* input = nullptr;
+  const void* residual = nullptr;  // nullptr: no fused residual add
+  const void* weight = nullptr;    // nullptr: no affine scale
+  const void* bias = nullptr;      // nullptr: no shift (always nullptr for RMSNorm)
+  void* out = nullptr;             // input_type
+  void* residual_out = nullptr;    // h_type; nullptr when residual is nullptr
+  void* mean = nullptr;            // acc_type; nullptr for RMSNorm
+  void* rstd = nullptr;            // acc_type
+  ScalarType input_type = ScalarType::Float;
+  ScalarType residual_type = ScalarType::Float;
+  ScalarType h_type = ScalarType::Float;
+  ScalarType weight_type = ScalarType::Float;  // weight and bias share it
+  ScalarType acc_type = ScalarType::Float;     // Float, or Double when h_type is Double
+  int64_t rows = 0;
+  int64_t cols = 0;
+  double eps = 0.0;
+  bool rms = false;
+};
+
+// One backward call. saved is h (saved_is_output = false) or the forward's out (true, the memory-efficient
+// mode, which recovers xhat = (out - bias) / weight). grad_input has saved_type.
+struct NormBackwardParams {
+  const void* grad_out = nullptr;           // out_type
+  const void* grad_residual_out = nullptr;  // saved_type, added to grad_input; may be nullptr
+  const void* saved = nullptr;
+  const void* mean = nullptr;  // acc_type; nullptr for RMSNorm
+  const void* rstd = nullptr;  // acc_type
+  const void* weight = nullptr;
+  const void* bias = nullptr;
+  void* grad_input = nullptr;   // saved_type
+  void* grad_weight = nullptr;  // weight_type; nullptr when weight is nullptr
+  void* grad_bias = nullptr;    // weight_type; nullptr when bias is nullptr
+  ScalarType out_type = ScalarType::Float;
+  ScalarType saved_type = ScalarType::Float;
+  ScalarType grad_residual_type = ScalarType::Float;
+  ScalarType weight_type = ScalarType::Float;
+  ScalarType acc_type = ScalarType::Float;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  bool rms = false;
+  bool saved_is_output = false;
+};
+
+// What the argument checks derive from a call.
+struct NormGeometry {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  std::vector<int64_t> stat_shape;  // the input's leading (not normalized) dims
+};
+
+// ---- argument checks (norm_checks.cpp), ATen-like wording, shared by every device ----
+bool is_supported_float(ScalarType t);
+ScalarType acc_type_for(ScalarType h_type);
+// dtype of h = input + residual: the promoted type, at least float32 when residual_in_fp32.
+ScalarType residual_out_dtype(const Tensor& input, const Tensor& residual, bool residual_in_fp32);
+NormGeometry check_forward_args(const char* op, const Tensor& input, at::IntArrayRef normalized_shape,
+                                const OptTensor& weight, const OptTensor& bias, const OptTensor& residual);
+NormGeometry check_backward_args(const char* op, const Tensor& grad_out, const Tensor& saved,
+                                 const OptTensor& mean, const Tensor& rstd, at::IntArrayRef normalized_shape,
+                                 const OptTensor& weight, const OptTensor& bias,
+                                 const OptTensor& grad_residual_out, bool saved_is_output);
+
+// ---- device-independent op bodies (norm_ops.cpp); each device passes its launcher ----
+using ForwardLauncher = std::function<void(const NormForwardParams&)>;
+using BackwardLauncher = std::function<void(const NormBackwardParams&)>;
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                                          const OptTensor& weight, const OptTensor& bias,
+                                                          double eps, const OptTensor& residual,
+                                                          bool residual_in_fp32, bool memory_efficient,
+                                                          const ForwardLauncher& launch);
+std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd(const Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                                const OptTensor& weight, std::optional<double> eps,
+                                                const OptTensor& residual, bool residual_in_fp32,
+                                                bool memory_efficient, const ForwardLauncher& launch);
+std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const Tensor& saved, const Tensor& mean,
+                                                  const Tensor& rstd, c10::SymIntArrayRef normalized_shape,
+                                                  const OptTensor& weight, const OptTensor& bias,
+                                                  bool saved_is_output, const OptTensor& grad_residual_out,
+                                                  const BackwardLauncher& launch);
+std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& grad_out, const Tensor& saved, const Tensor& rstd,
+                                        c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                                        bool saved_is_output, const OptTensor& grad_residual_out,
+                                        const BackwardLauncher& launch);
+
+// ---- device kernels ----
+namespace cpu {
+void forward(const NormForwardParams& p);
+void backward(const NormBackwardParams& p);
+const char* isa_name();  // instruction set the CPU kernels use
+}  // namespace cpu
+
+}  // namespace layernorm_ext

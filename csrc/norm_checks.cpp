@@ -1,0 +1,141 @@
+// Argument checks for every op on every device: the one place where bad input is turned into a clear,
+// ATen-worded error before any kernel sees it.
+#include "norm.h"
+
+#include <c10/util/irange.h>
+
+namespace layernorm_ext {
+
+bool is_supported_float(ScalarType t) {
+  return t == ScalarType::Float || t == ScalarType::Double || t == ScalarType::Half || t == ScalarType::BFloat16;
+}
+
+ScalarType acc_type_for(ScalarType h_type) {
+  return h_type == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
+}
+
+ScalarType residual_out_dtype(const Tensor& input, const Tensor& residual, bool residual_in_fp32) {
+  ScalarType t = at::promote_types(input.scalar_type(), residual.scalar_type());
+  return residual_in_fp32 ? at::promote_types(t, ScalarType::Float) : t;
+}
+
+namespace {
+
+void check_float(const char* op, const char* name, const Tensor& t) {
+  TORCH_CHECK(is_supported_float(t.scalar_type()), op, ": expected ", name,
+              " to be a floating point tensor (float32, float64, float16 or bfloat16), but got ", name,
+              " of dtype ", t.scalar_type());
+}
+
+void check_same_device(const char* op, const char* name, const Tensor& input, const Tensor& t) {
+  TORCH_CHECK(t.device() == input.device(),
+              op, ": expected all tensors to be on the same device, but found at least two devices, ",
+              input.device(), " and ", t.device(), "! (when checking argument ", name, ")");
+}
+
+// Weight and bias: the normalized shape, the input's dtype or (for half inputs) float32, both alike.
+void check_param(const char* op, const char* name, const Tensor& input, const Tensor& t,
+                 at::IntArrayRef normalized_shape) {
+  check_same_device(op, name, input, t);
+  TORCH_CHECK(t.sizes() == normalized_shape, op, ": expected ", name,
+              " to be of same shape as normalized_shape, but got ", name, " of shape ", t.sizes(),
+              " and normalized_shape = ", normalized_shape);
+  check_float(op, name, t);
+  const ScalarType x = input.scalar_type();
+  const bool half_input = x == ScalarType::Half || x == ScalarType::BFloat16;
+  TORCH_CHECK(t.scalar_type() == x || (half_input && t.scalar_type() == ScalarType::Float), op,
+              ": expected ", name, " to have the input's dtype (", x, ")",
+              half_input ? " or float32" : "", ", but got ", name, " of dtype ", t.scalar_type());
+}
+
+NormGeometry geometry(const char* op, const Tensor& input, at::IntArrayRef normalized_shape) {
+  const int64_t normalized_ndim = static_cast<int64_t>(normalized_shape.size());
+  TORCH_CHECK(normalized_ndim >= 1, op,
+              ": expected normalized_shape to be at least 1-dimensional, i.e., containing at least one "
+              "element, but got normalized_shape = ",
+              normalized_shape);
+  const int64_t input_ndim = input.dim();
+  const auto sizes = input.sizes();
+  const bool fits = input_ndim >= normalized_ndim &&
+                    sizes.slice(input_ndim - normalized_ndim).equals(normalized_shape);
+  TORCH_CHECK(fits, op, ": given normalized_shape=", normalized_shape, ", expected input with shape [*",
+              [&] {
+                std::string s;
+                for (int64_t d : normalized_shape) s += ", " + std::to_string(d);
+                return s;
+              }(),
+              "], but got input of size", sizes);
+  NormGeometry g;
+  const int64_t axis = input_ndim - normalized_ndim;
+  g.rows = 1;
+  for (const auto i : c10::irange(axis)) {
+    g.rows *= sizes[i];
+    g.stat_shape.push_back(sizes[i]);
+  }
+  g.cols = 1;
+  for (int64_t d : normalized_shape) g.cols *= d;
+  return g;
+}
+
+}  // namespace
+
+NormGeometry check_forward_args(const char* op, const Tensor& input, at::IntArrayRef normalized_shape,
+                                const OptTensor& weight, const OptTensor& bias, const OptTensor& residual) {
+  check_float(op, "input", input);
+  NormGeometry g = geometry(op, input, normalized_shape);
+  if (weight.has_value()) check_param(op, "weight", input, *weight, normalized_shape);
+  if (bias.has_value()) check_param(op, "bias", input, *bias, normalized_shape);
+  if (weight.has_value() && bias.has_value()) {
+    TORCH_CHECK(weight->scalar_type() == bias->scalar_type(), op,
+                ": expected weight and bias to have the same dtype, but got weight of dtype ",
+                weight->scalar_type(), " and bias of dtype ", bias->scalar_type());
+  }
+  if (residual.has_value()) {
+    check_same_device(op, "residual", input, *residual);
+    check_float(op, "residual", *residual);
+    TORCH_CHECK(residual->sizes() == input.sizes(), op,
+                ": expected residual to have the same shape as input, but got residual of shape ",
+                residual->sizes(), " and input of shape ", input.sizes());
+  }
+  return g;
+}
+
+NormGeometry check_backward_args(const char* op, const Tensor& grad_out, const Tensor& saved,
+                                 const OptTensor& mean, const Tensor& rstd, at::IntArrayRef normalized_shape,
+                                 const OptTensor& weight, const OptTensor& bias,
+                                 const OptTensor& grad_residual_out, bool saved_is_output) {
+  check_float(op, "saved", saved);
+  check_float(op, "grad_out", grad_out);
+  NormGeometry g = geometry(op, saved, normalized_shape);
+  TORCH_CHECK(grad_out.sizes() == saved.sizes(), op, ": expected grad_out of shape ", saved.sizes(),
+              ", but got grad_out of shape ", grad_out.sizes());
+  check_same_device(op, "grad_out", saved, grad_out);
+  // The weights follow the dtype rule of the forward's input, i.e. of grad_out.
+  if (weight.has_value()) check_param(op, "weight", grad_out, *weight, normalized_shape);
+  if (bias.has_value()) check_param(op, "bias", grad_out, *bias, normalized_shape);
+  const ScalarType acc = acc_type_for(saved_is_output ? grad_out.scalar_type() : saved.scalar_type());
+  auto check_stat = [&](const char* name, const Tensor& t) {
+    check_same_device(op, name, saved, t);
+    TORCH_CHECK(t.numel() == g.rows, op, ": expected ", name, " to hold one value per row (", g.rows,
+                "), but got ", name, " of shape ", t.sizes());
+    TORCH_CHECK(t.scalar_type() == acc, op, ": expected ", name, " of dtype ", acc, ", but got ",
+                t.scalar_type());
+  };
+  if (mean.has_value()) check_stat("mean", *mean);
+  check_stat("rstd", rstd);
+  if (saved_is_output) {
+    TORCH_CHECK(saved.scalar_type() == grad_out.scalar_type(), op,
+                ": with saved_is_output, expected saved (the forward's output) to have grad_out's dtype ",
+                grad_out.scalar_type(), ", but got ", saved.scalar_type());
+  }
+  if (grad_residual_out.has_value()) {
+    check_same_device(op, "grad_residual_out", saved, *grad_residual_out);
+    TORCH_CHECK(grad_residual_out->sizes() == saved.sizes(), op,
+                ": expected grad_residual_out of shape ", saved.sizes(), ", but got ",
+                grad_residual_out->sizes());
+    check_float(op, "grad_residual_out", *grad_residual_out);
+  }
+  return g;
+}
+
+}  // namespace layernorm_ext

@@ -1,0 +1,183 @@
+// Device-independent bodies of the ops: check arguments, make inputs contiguous, allocate outputs, fill a
+// parameter block, and hand it to the device's launcher. LayerNorm and RMSNorm share every line (rms flag).
+#include "norm.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <limits>
+
+namespace layernorm_ext {
+namespace {
+
+const void* ptr_or_null(const OptTensor& t) { return t.has_value() ? t->data_ptr() : nullptr; }
+
+OptTensor contiguous(const OptTensor& t) {
+  if (!t.has_value()) return std::nullopt;
+  return t->contiguous();
+}
+
+// An empty placeholder for an output that a variant does not produce (schemas return Tensor, never None).
+Tensor placeholder(const Tensor& like, ScalarType dtype) { return at::empty({0}, like.options().dtype(dtype)); }
+
+double machine_epsilon(ScalarType t) {
+  switch (t) {
+    case ScalarType::Double:
+      return std::numeric_limits<double>::epsilon();
+    case ScalarType::Half:
+      return static_cast<double>(std::numeric_limits<c10::Half>::epsilon());
+    case ScalarType::BFloat16:
+      return static_cast<double>(std::numeric_limits<c10::BFloat16>::epsilon());
+    default:
+      return std::numeric_limits<float>::epsilon();
+  }
+}
+
+struct ForwardResult {
+  Tensor out, residual_out, mean, rstd;
+};
+
+ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntArrayRef normalized_shape_sym,
+                           const OptTensor& weight_arg, const OptTensor& bias_arg, std::optional<double> eps,
+                           const OptTensor& residual_arg, bool residual_in_fp32, bool rms,
+                           const ForwardLauncher& launch) {
+  const at::IntArrayRef normalized_shape = C10_AS_INTARRAYREF_SLOW(normalized_shape_sym);
+  const NormGeometry g = check_forward_args(op, input_arg, normalized_shape, weight_arg, bias_arg, residual_arg);
+  const Tensor input = input_arg.contiguous();
+  const OptTensor weight = contiguous(weight_arg);
+  const OptTensor bias = contiguous(bias_arg);
+  const OptTensor residual = contiguous(residual_arg);
+
+  const ScalarType h_type = residual.has_value() ? residual_out_dtype(input, *residual, residual_in_fp32)
+                                                 : input.scalar_type();
+  const ScalarType acc = acc_type_for(h_type);
+
+  ForwardResult r;
+  r.out = at::empty(input.sizes(), input.options());
+  r.residual_out = residual.has_value() ? at::empty(input.sizes(), input.options().dtype(h_type))
+                                        : placeholder(input, input.scalar_type());
+  r.rstd = at::empty(g.stat_shape, input.options().dtype(acc));
+  if (!rms) r.mean = at::empty(g.stat_shape, input.options().dtype(acc));
+  if (g.rows == 0) return r;
+
+  NormForwardParams p;
+  p.input = input.data_ptr();
+  p.residual = ptr_or_null(residual);
+  p.weight = ptr_or_null(weight);
+  p.bias = ptr_or_null(bias);
+  p.out = r.out.data_ptr();
+  p.residual_out = residual.has_value() ? r.residual_out.data_ptr() : nullptr;
+  p.mean = rms ? nullptr : r.mean.data_ptr();
+  p.rstd = r.rstd.data_ptr();
+  p.input_type = input.scalar_type();
+  p.residual_type = residual.has_value() ? residual->scalar_type() : input.scalar_type();
+  p.h_type = h_type;
+  p.weight_type = weight.has_value() ? weight->scalar_type()
+                                     : (bias.has_value() ? bias->scalar_type() : input.scalar_type());
+  p.acc_type = acc;
+  p.rows = g.rows;
+  p.cols = g.cols;
+  p.eps = eps.has_value() ? *eps : machine_epsilon(h_type);
+  p.rms = rms;
+  launch(p);
+  return r;
+}
+
+struct BackwardResult {
+  Tensor grad_input, grad_weight, grad_bias;
+};
+
+BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const Tensor& saved_arg,
+                             const OptTensor& mean_arg, const Tensor& rstd_arg,
+                             c10::SymIntArrayRef normalized_shape_sym, const OptTensor& weight_arg,
+                             const OptTensor& bias_arg, bool saved_is_output, const OptTensor& grad_residual_out_arg,
+                             bool rms, const BackwardLauncher& launch) {
+  const at::IntArrayRef normalized_shape = C10_AS_INTARRAYREF_SLOW(normalized_shape_sym);
+  const NormGeometry g = check_backward_args(op, grad_out_arg, saved_arg, mean_arg, rstd_arg, normalized_shape,
+                                             weight_arg, bias_arg, grad_residual_out_arg, saved_is_output);
+  const Tensor grad_out = grad_out_arg.contiguous();
+  const Tensor saved = saved_arg.contiguous();
+  const OptTensor mean = contiguous(mean_arg);
+  const Tensor rstd = rstd_arg.contiguous();
+  const OptTensor weight = contiguous(weight_arg);
+  const OptTensor bias = contiguous(bias_arg);
+  const OptTensor grad_residual_out = contiguous(grad_residual_out_arg);
+
+  BackwardResult r;
+  r.grad_input = at::empty(saved.sizes(), saved.options());
+  const ScalarType weight_type = weight.has_value() ? weight->scalar_type()
+                                                    : (bias.has_value() ? bias->scalar_type() : saved.scalar_type());
+  r.grad_weight = weight.has_value() ? at::empty(weight->sizes(), weight->options()) : placeholder(saved, weight_type);
+  r.grad_bias = bias.has_value() ? at::empty(bias->sizes(), bias->options()) : placeholder(saved, weight_type);
+  if (g.rows == 0) {
+    // No rows: the parameter gradients are sums over nothing.
+    r.grad_weight.zero_();
+    r.grad_bias.zero_();
+    return r;
+  }
+
+  NormBackwardParams p;
+  p.grad_out = grad_out.data_ptr();
+  p.grad_residual_out = ptr_or_null(grad_residual_out);
+  p.saved = saved.data_ptr();
+  p.mean = rms ? nullptr : ptr_or_null(mean);
+  p.rstd = rstd.data_ptr();
+  p.weight = ptr_or_null(weight);
+  p.bias = ptr_or_null(bias);
+  p.grad_input = r.grad_input.data_ptr();
+  p.grad_weight = weight.has_value() ? r.grad_weight.data_ptr() : nullptr;
+  p.grad_bias = bias.has_value() ? r.grad_bias.data_ptr() : nullptr;
+  p.out_type = grad_out.scalar_type();
+  p.saved_type = saved.scalar_type();
+  p.grad_residual_type = grad_residual_out.has_value() ? grad_residual_out->scalar_type() : saved.scalar_type();
+  p.weight_type = weight_type;
+  p.acc_type = rstd.scalar_type();
+  p.rows = g.rows;
+  p.cols = g.cols;
+  p.rms = rms;
+  p.saved_is_output = saved_is_output;
+  launch(p);
+  return r;
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                                          const OptTensor& weight, const OptTensor& bias,
+                                                          double eps, const OptTensor& residual,
+                                                          bool residual_in_fp32, bool /*memory_efficient*/,
+                                                          const ForwardLauncher& launch) {
+  ForwardResult r = norm_forward("layer_norm", input, normalized_shape, weight, bias, eps, residual,
+                                 residual_in_fp32, /*rms=*/false, launch);
+  return {r.out, r.residual_out, r.mean, r.rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd(const Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                                const OptTensor& weight, std::optional<double> eps,
+                                                const OptTensor& residual, bool residual_in_fp32,
+                                                bool /*memory_efficient*/, const ForwardLauncher& launch) {
+  ForwardResult r = norm_forward("rms_norm", input, normalized_shape, weight, std::nullopt, eps, residual,
+                                 residual_in_fp32, /*rms=*/true, launch);
+  return {r.out, r.residual_out, r.rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const Tensor& saved, const Tensor& mean,
+                                                  const Tensor& rstd, c10::SymIntArrayRef normalized_shape,
+                                                  const OptTensor& weight, const OptTensor& bias,
+                                                  bool saved_is_output, const OptTensor& grad_residual_out,
+                                                  const BackwardLauncher& launch) {
+  BackwardResult r = norm_backward("layer_norm_backward", grad_out, saved, mean, rstd, normalized_shape, weight,
+                                   bias, saved_is_output, grad_residual_out, /*rms=*/false, launch);
+  return {r.grad_input, r.grad_weight, r.grad_bias};
+}
+
+std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& grad_out, const Tensor& saved, const Tensor& rstd,
+                                        c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                                        bool saved_is_output, const OptTensor& grad_residual_out,
+                                        const BackwardLauncher& launch) {
+  BackwardResult r = norm_backward("rms_norm_backward", grad_out, saved, std::nullopt, rstd, normalized_shape,
+                                   weight, std::nullopt, saved_is_output, grad_residual_out, /*rms=*/true, launch);
+  return {r.grad_input, r.grad_weight};
+}
+
+}  // namespace layernorm_ext

@@ -1,0 +1,29 @@
+"""layernorm_ext: fused LayerNorm and RMSNorm for PyTorch (C++/CUDA kernels behind torch.ops.layernorm_ext)."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from ._loader import load_method, native
+from . import ops
+from .functional import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from .modules import FusedLayerNorm, FusedRMSNorm
+
+
+def build_info() -> dict[str, object]:
+    """How the native library was built and loaded (torch version, CUDA, CPU instruction set, load method)."""
+    info = dict(native.build_info())
+    info["load_method"] = load_method
+    return info
+
+
+__all__ = [
+    "FusedLayerNorm",
+    "FusedRMSNorm",
+    "add_layer_norm",
+    "add_rms_norm",
+    "build_info",
+    "layer_norm",
+    "ops",
+    "rms_norm",
+]
