@@ -26,17 +26,8 @@ def _load_sources_module():
     return module
 
 
-def _write_build_info(prebuilt: bool, torch_version: str) -> None:
-    (ROOT / "layernorm_ext" / "_build_info.py").write_text(
-        "# Written by setup.py: what the prebuilt library was built against.\n"
-        f"PREBUILT = {prebuilt!r}\n"
-        f"TORCH_VERSION = {torch_version!r}\n"
-    )
-
-
 def _extensions():
     if os.environ.get("LAYERNORM_EXT_BUILD", "1") == "0":
-        _write_build_info(False, "")
         return [], {}
     try:
         import torch
@@ -53,7 +44,6 @@ def _extensions():
         sources=sources,
         extra_compile_args={"cxx": list(sources_module.CXX_FLAGS)},
     )
-    _write_build_info(True, torch.__version__)
     return [extension], {"build_ext": BuildExtension}
 
 

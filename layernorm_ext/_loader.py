@@ -17,21 +17,27 @@ _REBUILD_HINT = (
 load_method: str = ""
 
 
+def _release(version: str) -> str:
+    """'2.13.0+cpu' -> '2.13.0' (the part a built library depends on)."""
+    return version.split("+")[0]
+
+
 def _load_prebuilt() -> ModuleType | None:
     """The library setup.py built, or None when the package was installed without one."""
     try:
-        from . import _build_info
-    except ImportError:
-        return None
-    if _build_info.TORCH_VERSION != torch.__version__:
-        raise ImportError(
-            f"layernorm_ext was built against torch {_build_info.TORCH_VERSION}, but torch {torch.__version__} "
-            f"is running. {_REBUILD_HINT}"
-        )
-    try:
         from . import _C
-    except ImportError as err:
+    except ModuleNotFoundError as err:
+        if err.name == f"{__package__}._C":
+            return None
+        raise
+    except ImportError as err:  # typically an undefined symbol: built against another torch
         raise ImportError(f"layernorm_ext: loading the prebuilt library failed ({err}). {_REBUILD_HINT}") from err
+    built_for = _C.build_info()["torch_version"]
+    if _release(built_for) != _release(torch.__version__):
+        raise ImportError(
+            f"layernorm_ext was built against torch {built_for}, but torch {torch.__version__} is running. "
+            f"{_REBUILD_HINT}"
+        )
     return _C
 
 

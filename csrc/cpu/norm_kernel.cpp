@@ -5,9 +5,9 @@
 // normalize pass re-read it from L1/L2, never from memory. dtypes are resolved once per call into row
 // loaders/storers (function pointers), so one kernel body serves every input/weight/residual dtype.
 //
-// Reductions: sums run in 8 independent acc_t lanes over blocks of kSumBlock elements, block sums added in
-// double; the variance is the corrected two-pass formula over the buffered row, so rows with a large mean
-// and tiny spread (mean 1e4, std 1e-2) keep full accuracy. The backward accumulates dweight/dbias partials
+// Reductions: sums run over blocks of kSumBlock elements in acc_t SIMD lanes, block sums added in double;
+// the variance is the corrected two-pass formula over the buffered row, so rows with a large mean and tiny
+// spread (mean 1e4, std 1e-2) keep full accuracy. The backward accumulates dweight/dbias partials in double
 // per fixed chunk of rows (a count that depends only on rows and cols) and reduces the chunks in order: the
 // same bits whatever the thread count.
 //
@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "../norm.h"
@@ -97,23 +98,37 @@ std::vector<acc_t> load_param(const void* ptr, ScalarType type, int64_t cols) {
   return v;
 }
 
-// Sum of term(j) over j < n: 8 acc_t lanes per block, block sums in double.
+// Sums of term(j) over j < n, in blocks of kSumBlock: each block reduces in acc_t across SIMD lanes (the
+// omp simd reduction lets the compiler keep independent partial sums), block sums are added in double.
 template <typename acc_t, typename Term>
 double blocked_sum(int64_t n, Term term) {
   double total = 0.0;
   for (int64_t start = 0; start < n; start += kSumBlock) {
     const int64_t end = std::min(n, start + kSumBlock);
-    acc_t lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t j = start;
-    for (; j + 8 <= end; j += 8) {
-      for (int k = 0; k < 8; ++k) lane[k] += term(j + k);
-    }
-    acc_t tail = 0;
-    for (; j < end; ++j) tail += term(j);
-    total += static_cast<double>(((lane[0] + lane[1]) + (lane[2] + lane[3])) +
-                                 ((lane[4] + lane[5]) + (lane[6] + lane[7])) + tail);
+    acc_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = start; j < end; ++j) sum += term(j);
+    total += static_cast<double>(sum);
   }
   return total;
+}
+
+// Two sums in one pass: {sum of first(j), sum of second(j)}.
+template <typename acc_t, typename First, typename Second>
+std::pair<double, double> blocked_sum2(int64_t n, First first, Second second) {
+  double total_a = 0.0, total_b = 0.0;
+  for (int64_t start = 0; start < n; start += kSumBlock) {
+    const int64_t end = std::min(n, start + kSumBlock);
+    acc_t a = 0, b = 0;
+#pragma omp simd reduction(+ : a, b)
+    for (int64_t j = start; j < end; ++j) {
+      a += first(j);
+      b += second(j);
+    }
+    total_a += static_cast<double>(a);
+    total_b += static_cast<double>(b);
+  }
+  return {total_a, total_b};
 }
 
 // ---- forward ----------------------------------------------------------------------------------------------
@@ -146,12 +161,10 @@ void forward_impl(const NormForwardParams& p) {
         var_or_ms = blocked_sum<acc_t>(cols, [&](int64_t j) { return row[j] * row[j]; }) / cols;
       } else {
         mean = static_cast<acc_t>(blocked_sum<acc_t>(cols, [&](int64_t j) { return row[j]; }) / cols);
-        const double dev = blocked_sum<acc_t>(cols, [&](int64_t j) { return row[j] - mean; }) / cols;
-        const double sq = blocked_sum<acc_t>(cols, [&](int64_t j) {
-                            const acc_t d = row[j] - mean;
-                            return d * d;
-                          }) / cols;
-        var_or_ms = sq - dev * dev;
+        const auto [dev, sq] = blocked_sum2<acc_t>(
+            cols, [&](int64_t j) { return row[j] - mean; },
+            [&](int64_t j) { return (row[j] - mean) * (row[j] - mean); });
+        var_or_ms = sq / cols - (dev / cols) * (dev / cols);
       }
       const acc_t rstd = static_cast<acc_t>(1.0 / std::sqrt(std::max(var_or_ms, 0.0) + p.eps));
       if (mean_out) mean_out[r] = mean;
@@ -185,7 +198,6 @@ void backward_impl(const NormBackwardParams& p) {
   const RowIO<acc_t> out_io = row_io<acc_t>(p.out_type);
   const RowIO<acc_t> saved_io = row_io<acc_t>(p.saved_type);
   const RowIO<acc_t> grad_residual_io = row_io<acc_t>(p.grad_residual_type);
-  const RowIO<acc_t> weight_io = row_io<acc_t>(p.weight_type);
   const acc_t* mean_in = static_cast<const acc_t*>(p.mean);
   const acc_t* rstd_in = static_cast<const acc_t*>(p.rstd);
 
@@ -194,16 +206,17 @@ void backward_impl(const NormBackwardParams& p) {
   const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
   const bool want_dweight = p.grad_weight != nullptr;
   const bool want_dbias = p.grad_bias != nullptr;
-  std::vector<acc_t> dweight_partial(want_dweight ? chunks * cols : 0);
-  std::vector<acc_t> dbias_partial(want_dbias ? chunks * cols : 0);
+  // Partials in double: each holds a sum over up to rows / chunks rows.
+  std::vector<double> dweight_partial(want_dweight ? chunks * cols : 0);
+  std::vector<double> dbias_partial(want_dbias ? chunks * cols : 0);
 
   at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     std::vector<acc_t> xhat_buf(cols), dy_buf(cols);
     acc_t* xhat = xhat_buf.data();
     acc_t* dy = dy_buf.data();
     for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-      acc_t* dweight = want_dweight ? dweight_partial.data() + c * cols : nullptr;
-      acc_t* dbias = want_dbias ? dbias_partial.data() + c * cols : nullptr;
+      double* dweight = want_dweight ? dweight_partial.data() + c * cols : nullptr;
+      double* dbias = want_dbias ? dbias_partial.data() + c * cols : nullptr;
       const int64_t row_end = std::min(rows, (c + 1) * chunk_rows);
       for (int64_t r = c * chunk_rows; r < row_end; ++r) {
         const int64_t offset = r * cols;
@@ -217,13 +230,13 @@ void backward_impl(const NormBackwardParams& p) {
           for (int64_t j = 0; j < cols; ++j) xhat[j] = (xhat[j] - mean) * rstd;
         }
         out_io.load(p.grad_out, offset, dy, cols);
-        if (dweight) for (int64_t j = 0; j < cols; ++j) dweight[j] += dy[j] * xhat[j];
-        if (dbias) for (int64_t j = 0; j < cols; ++j) dbias[j] += dy[j];
+        if (dweight) for (int64_t j = 0; j < cols; ++j) dweight[j] += static_cast<double>(dy[j]) * xhat[j];
+        if (dbias) for (int64_t j = 0; j < cols; ++j) dbias[j] += static_cast<double>(dy[j]);
         if (!weight.empty()) for (int64_t j = 0; j < cols; ++j) dy[j] *= weight[j];  // dy is g from here
-        const acc_t mean_g =
-            p.rms ? acc_t(0) : static_cast<acc_t>(blocked_sum<acc_t>(cols, [&](int64_t j) { return dy[j]; }) / cols);
-        const acc_t mean_gx =
-            static_cast<acc_t>(blocked_sum<acc_t>(cols, [&](int64_t j) { return dy[j] * xhat[j]; }) / cols);
+        const auto [sum_g, sum_gx] = blocked_sum2<acc_t>(
+            cols, [&](int64_t j) { return dy[j]; }, [&](int64_t j) { return dy[j] * xhat[j]; });
+        const acc_t mean_g = p.rms ? acc_t(0) : static_cast<acc_t>(sum_g / cols);
+        const acc_t mean_gx = static_cast<acc_t>(sum_gx / cols);
         for (int64_t j = 0; j < cols; ++j) xhat[j] = rstd * (dy[j] - mean_g - xhat[j] * mean_gx);
         if (p.grad_residual_out) grad_residual_io.add(p.grad_residual_out, offset, xhat, cols);
         saved_io.store(xhat, p.grad_input, offset, cols);
@@ -232,11 +245,12 @@ void backward_impl(const NormBackwardParams& p) {
   });
 
   // Fixed-order reduction of the chunk partials, parallel over columns.
-  auto reduce = [&](const std::vector<acc_t>& partial, void* dst) {
+  const RowIO<double> weight_io = row_io<double>(p.weight_type);
+  auto reduce = [&](const std::vector<double>& partial, void* dst) {
     at::parallel_for(0, cols, 4096, [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> sum(partial.begin() + begin, partial.begin() + end);
+      std::vector<double> sum(partial.begin() + begin, partial.begin() + end);
       for (int64_t c = 1; c < chunks; ++c) {
-        const acc_t* src = partial.data() + c * cols;
+        const double* src = partial.data() + c * cols;
         for (int64_t j = begin; j < end; ++j) sum[j - begin] += src[j];
       }
       weight_io.store(sum.data(), dst, begin, end - begin);

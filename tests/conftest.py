@@ -1,0 +1,41 @@
+"""Shared fixtures and the accuracy rule of the suite (the rule itself lives in layernorm_ext.selfcheck).
+
+Accuracy rule: for every output and gradient, our max abs error against an fp64 reference must not exceed
+ATen's own max abs error (same inputs, same dtypes) by more than a tiny atol: one unit in the last place of
+the result dtype at the reference's largest magnitude.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import layernorm_ext  # noqa: F401  (loads the library and registers the ops)
+from layernorm_ext.selfcheck import compare, ulp_atol
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+__all__ = ["DEVICES", "assert_no_worse_than_aten", "ulp_atol"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_cuda)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def assert_no_worse_than_aten(
+    ours: torch.Tensor, aten: torch.Tensor, reference: torch.Tensor, what: str = "", slack: float = 1.0
+) -> None:
+    """The suite's tolerance rule. ``reference`` is the fp64 result; ``slack`` multiplies the atol."""
+    assert ours.shape == aten.shape == reference.shape, (what, ours.shape, aten.shape, reference.shape)
+    assert ours.dtype == aten.dtype, (what, ours.dtype, aten.dtype)
+    c = compare(ours, aten, reference, what, slack)
+    assert c.err_ours == c.err_ours, f"{what}: NaN in our result"
+    assert c.ok, f"{what}: our max error {c.err_ours:.3e} > ATen's {c.err_aten:.3e} + {c.atol:.3e}"
