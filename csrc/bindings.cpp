@@ -5,7 +5,8 @@
 // when a residual is fused in, h = input + residual as residual_out. Outputs a variant does not produce are
 // empty tensors of shape [0] (a schema cannot return None). memory_efficient only tells the autograd formula
 // (layernorm_ext/ops.py) to save the output instead of the input; kernels ignore it. rms_norm_fwd's eps=None
-// means the machine epsilon of the normalized rows' dtype, as in torch.nn.functional.rms_norm. Device kernels register in csrc/cpu and
+// means, as in ATen's rms_norm, the machine epsilon of the compute type: float32 for float16/bfloat16/float32
+// rows, float64 for float64 rows. Device kernels register in csrc/cpu and
 // csrc/cuda with TORCH_LIBRARY_IMPL and never change these schemas.
 #include <ATen/autocast_mode.h>
 #include <torch/extension.h>
@@ -37,20 +38,48 @@ TORCH_LIBRARY(layernorm_ext, m) {
 
 namespace {
 
-// torch.autocast on CUDA runs layer_norm and rms_norm in float32 (both are on ATen's fp32 list): cast every
-// float16/bfloat16 CUDA tensor argument to float32 and call the op again below the autocast keys. On CPU ATen
+// torch.autocast on CUDA runs layer_norm and rms_norm in float32 (both are on ATen's fp32 list): cast the
+// float16/bfloat16 CUDA tensor arguments to float32 and call the op again below the autocast keys. On CPU ATen
 // leaves the norms alone under autocast, and so do we (the CPU autocast key falls through).
+// With a residual, the stand-in is `h = input + residual` (autocast leaves add alone, so h keeps the promoted
+// input dtype) followed by the float32 norm of h: h is formed at its own dtype first, so residual_out and the
+// normalized values are exactly torch's, and the op then normalizes float32(h) without a residual.
+int64_t argument_index(const c10::FunctionSchema& schema, const char* name) {
+  const auto index = schema.argumentIndexWithName(name);
+  TORCH_INTERNAL_ASSERT(index.has_value(), "layernorm_ext: no argument ", name, " in ", schema.name());
+  return static_cast<int64_t>(*index);
+}
+
+at::Tensor autocast_arg(const at::Tensor& t) {
+  const bool cast = t.defined() && t.is_cuda() && (t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16);
+  return cast ? t.to(at::kFloat) : t;
+}
+
 void autocast_cuda_to_fp32(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  const auto num_args = op.schema().arguments().size();
-  for (auto it = stack->end() - static_cast<std::ptrdiff_t>(num_args); it != stack->end(); ++it) {
-    if (!it->isTensor()) continue;
-    const at::Tensor& t = it->toTensor();
-    if (t.defined() && t.is_cuda() && (t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16)) {
-      *it = t.to(at::kFloat);
-    }
+  const auto& schema = op.schema();
+  const auto first = stack->end() - static_cast<std::ptrdiff_t>(schema.arguments().size());
+  const int64_t input_index = argument_index(schema, "input");
+  const int64_t residual_index = argument_index(schema, "residual");
+  const int64_t in_fp32_index = argument_index(schema, "residual_in_fp32");
+  std::optional<at::Tensor> h;
+  if (first[residual_index].isTensor()) {
+    const at::Tensor& input = first[input_index].toTensor();
+    const at::Tensor& residual = first[residual_index].toTensor();
+    const at::ScalarType h_type = layernorm_ext::residual_out_dtype(input, residual, first[in_fp32_index].toBool());
+    const at::Tensor sum = at::add(input.to(h_type), residual.to(h_type));
+    first[input_index] = sum;
+    first[residual_index] = c10::IValue();
+    h = sum;
+  }
+  for (auto it = first; it != stack->end(); ++it) {
+    if (it->isTensor()) *it = autocast_arg(it->toTensor());
   }
   op.callBoxed(stack);
+  if (h.has_value()) {
+    // Outputs: (out, residual_out, ...): residual_out is h itself.
+    (*stack)[stack->size() - schema.returns().size() + 1] = *h;
+  }
 }
 
 }  // namespace

@@ -2,9 +2,6 @@
 // parameter block, and hand it to the device's launcher. LayerNorm and RMSNorm share every line (rms flag).
 #include "norm.h"
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
 #include <limits>
 
 namespace layernorm_ext {
@@ -20,17 +17,11 @@ OptTensor contiguous(const OptTensor& t) {
 // An empty placeholder for an output that a variant does not produce (schemas return Tensor, never None).
 Tensor placeholder(const Tensor& like, ScalarType dtype) { return at::empty({0}, like.options().dtype(dtype)); }
 
-double machine_epsilon(ScalarType t) {
-  switch (t) {
-    case ScalarType::Double:
-      return std::numeric_limits<double>::epsilon();
-    case ScalarType::Half:
-      return static_cast<double>(std::numeric_limits<c10::Half>::epsilon());
-    case ScalarType::BFloat16:
-      return static_cast<double>(std::numeric_limits<c10::BFloat16>::epsilon());
-    default:
-      return std::numeric_limits<float>::epsilon();
-  }
+// rms_norm's default eps, as ATen's: the machine epsilon of the type the rows are computed in (float for
+// float16/bfloat16/float32 rows, double for float64).
+double default_rms_eps(ScalarType acc_type) {
+  return acc_type == ScalarType::Double ? std::numeric_limits<double>::epsilon()
+                                        : static_cast<double>(std::numeric_limits<float>::epsilon());
 }
 
 struct ForwardResult {
@@ -77,7 +68,7 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   p.acc_type = acc;
   p.rows = g.rows;
   p.cols = g.cols;
-  p.eps = eps.has_value() ? *eps : machine_epsilon(h_type);
+  p.eps = eps.has_value() ? *eps : default_rms_eps(acc);
   p.rms = rms;
   launch(p);
   return r;

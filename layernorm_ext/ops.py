@@ -27,6 +27,17 @@ def _stat_dtype(h_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if h_dtype == torch.float64 else torch.float32
 
 
+def _check_devices(op: str, first: Tensor, **others: Tensor | None) -> None:
+    """The one check the fake kernels repeat from csrc/norm_checks.cpp (same wording): a call mixing a meta
+    tensor with real ones dispatches here, not to the device kernel that would have rejected it."""
+    for name, t in others.items():
+        if t is not None and t.device != first.device:
+            raise RuntimeError(
+                f"{op}: expected all tensors to be on the same device, but found at least two devices, "
+                f"{first.device} and {t.device}! (when checking argument {name})"
+            )
+
+
 def _fake_forward(
     input: Tensor, normalized_shape: Sequence[int], residual: Tensor | None, residual_in_fp32: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -49,6 +60,7 @@ def _layer_norm_fwd_fake(
     residual_in_fp32: bool = False,
     memory_efficient: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_devices("layer_norm", input, weight=weight, bias=bias, residual=residual)
     out, residual_out, stat = _fake_forward(input, normalized_shape, residual, residual_in_fp32)
     return out, residual_out, stat, torch.empty_like(stat)
 
@@ -63,6 +75,7 @@ def _rms_norm_fwd_fake(
     residual_in_fp32: bool = False,
     memory_efficient: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    _check_devices("rms_norm", input, weight=weight, residual=residual)
     return _fake_forward(input, normalized_shape, residual, residual_in_fp32)
 
 
@@ -85,6 +98,10 @@ def _layer_norm_bwd_fake(
     saved_is_output: bool = False,
     grad_residual_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    _check_devices(
+        "layer_norm_backward", saved, grad_out=grad_out, mean=mean, rstd=rstd, weight=weight, bias=bias,
+        grad_residual_out=grad_residual_out,
+    )
     return (
         saved.new_empty(saved.shape),
         _param_grad_placeholder(saved, weight, bias),
@@ -102,6 +119,9 @@ def _rms_norm_bwd_fake(
     saved_is_output: bool = False,
     grad_residual_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
+    _check_devices(
+        "rms_norm_backward", saved, grad_out=grad_out, rstd=rstd, weight=weight, grad_residual_out=grad_residual_out
+    )
     return saved.new_empty(saved.shape), _param_grad_placeholder(saved, weight, None)
 
 
@@ -117,20 +137,35 @@ def _is_traced(t: Tensor) -> bool:
     return is_fake(t)
 
 
-def _can_save_output(weight: Tensor | None, memory_efficient: bool, has_residual: bool) -> bool:
-    """Whether the backward may recover xhat from the output: xhat = (out - bias) / weight.
+# memory_efficient recovers xhat = (out - bias) / weight from the rounded output: the absolute error of xhat
+# is about eps(out dtype) * (|xhat| + |bias / weight|). Columns where |bias| > this many |weight| would lose
+# accuracy (weight == 0 loses xhat altogether), so such a weight makes the forward save the input instead.
+MAX_BIAS_OVER_WEIGHT = 4.0
 
-    With a residual, h is an output of the op already, so saving it costs no more than saving out. A weight
-    entry of 0 destroys xhat in that column, and so does tracing (the weight's values are unknown then): in
-    both cases the input is saved instead, so the gradients stay exact.
+
+def _can_save_output(
+    input: Tensor, weight: Tensor | None, bias: Tensor | None, memory_efficient: bool, has_residual: bool
+) -> bool:
+    """Whether the backward may recover xhat from the output instead of reading the saved input.
+
+    Not with a residual: h is an output of the op already, so saving it costs no more than saving out. Not
+    when the output is coarser than the weights (half input, float32 weight): xhat would only be as precise as
+    the half output, while the gradients are float32. Not when a weight entry is 0 or much smaller than its
+    bias (see MAX_BIAS_OVER_WEIGHT), and not while tracing (torch.compile / export), when the weight's values
+    cannot be read: in these cases the input is saved, so the gradients stay exact.
     """
     if not memory_efficient or has_residual:
         return False
-    if weight is None:
-        return True
-    if _is_traced(weight):
+    params = [t for t in (weight, bias) if t is not None]
+    if any(t.dtype != input.dtype or _is_traced(t) for t in params):
         return False
-    return not bool((weight == 0).any())
+    if not params:
+        return True
+    magnitude = weight.abs() if weight is not None else torch.ones_like(bias)
+    unsafe = magnitude == 0
+    if bias is not None:
+        unsafe = unsafe | (bias.abs() > MAX_BIAS_OVER_WEIGHT * magnitude)
+    return not bool(unsafe.any())
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...], rms: bool) -> None:
@@ -143,7 +178,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]
         input, normalized_shape, weight, bias, eps, residual, residual_in_fp32, memory_efficient = inputs
         out, residual_out, mean, rstd = output
     has_residual = residual is not None
-    ctx.saved_is_output = _can_save_output(weight, memory_efficient, has_residual)
+    ctx.saved_is_output = _can_save_output(input, weight, bias, memory_efficient, has_residual)
     if ctx.saved_is_output:
         saved = out
     else:

@@ -5,9 +5,9 @@
 // normalize pass re-read it from L1/L2, never from memory. dtypes are resolved once per call into row
 // loaders/storers (function pointers), so one kernel body serves every input/weight/residual dtype.
 //
-// Reductions: sums run over blocks of kSumBlock elements in acc_t SIMD lanes, block sums added in double;
-// the variance is the corrected two-pass formula over the buffered row, so rows with a large mean and tiny
-// spread (mean 1e4, std 1e-2) keep full accuracy. The backward accumulates dweight/dbias partials in double
+// Reductions: sums run in double over blocks of kSumBlock elements, SIMD lanes within a block; the variance
+// is the corrected two-pass formula over the buffered row and the mean is applied as hi + lo, so rows with a
+// large mean and tiny spread (mean 1e4, std 1e-2) keep full accuracy. The backward accumulates dweight/dbias partials in double
 // per fixed chunk of rows (a count that depends only on rows and cols) and reduces the chunks in order: the
 // same bits whatever the thread count.
 //
@@ -155,29 +155,34 @@ void forward_impl(const NormForwardParams& p) {
         residual_io.add(p.residual, offset, row, cols);
         h_io.store_rounded(row, p.residual_out, offset, cols);
       }
-      acc_t mean = 0;
+      // Sums in double lanes. The mean is kept as hi + lo (two acc_t): x - hi is exact for x near the mean,
+      // so (x - hi) - lo keeps rows like mean 1e4 / std 1e-2 accurate in float32.
+      acc_t mean_hi = 0, mean_lo = 0;
       double var_or_ms;
       if (p.rms) {
-        var_or_ms = blocked_sum<acc_t>(cols, [&](int64_t j) { return row[j] * row[j]; }) / cols;
+        var_or_ms = blocked_sum<double>(cols, [&](int64_t j) { return double(row[j]) * double(row[j]); }) / cols;
       } else {
-        mean = static_cast<acc_t>(blocked_sum<acc_t>(cols, [&](int64_t j) { return row[j]; }) / cols);
-        const auto [dev, sq] = blocked_sum2<acc_t>(
-            cols, [&](int64_t j) { return row[j] - mean; },
-            [&](int64_t j) { return (row[j] - mean) * (row[j] - mean); });
+        const double mean = blocked_sum<double>(cols, [&](int64_t j) { return double(row[j]); }) / cols;
+        mean_hi = static_cast<acc_t>(mean);
+        mean_lo = static_cast<acc_t>(mean - static_cast<double>(mean_hi));
+        const auto [dev, sq] = blocked_sum2<double>(
+            cols, [&](int64_t j) { return double(row[j] - mean_hi); },
+            [&](int64_t j) { return double(row[j] - mean_hi) * double(row[j] - mean_hi); });
         var_or_ms = sq / cols - (dev / cols) * (dev / cols);
       }
       const acc_t rstd = static_cast<acc_t>(1.0 / std::sqrt(std::max(var_or_ms, 0.0) + p.eps));
-      if (mean_out) mean_out[r] = mean;
+      if (mean_out) mean_out[r] = mean_hi;
       rstd_out[r] = rstd;
 
+      auto centered = [&](int64_t j) { return ((row[j] - mean_hi) - mean_lo) * rstd; };
       if (!weight.empty() && !bias.empty()) {
-        for (int64_t j = 0; j < cols; ++j) row[j] = (row[j] - mean) * rstd * weight[j] + bias[j];
+        for (int64_t j = 0; j < cols; ++j) row[j] = centered(j) * weight[j] + bias[j];
       } else if (!weight.empty()) {
-        for (int64_t j = 0; j < cols; ++j) row[j] = (row[j] - mean) * rstd * weight[j];
+        for (int64_t j = 0; j < cols; ++j) row[j] = centered(j) * weight[j];
       } else if (!bias.empty()) {
-        for (int64_t j = 0; j < cols; ++j) row[j] = (row[j] - mean) * rstd + bias[j];
+        for (int64_t j = 0; j < cols; ++j) row[j] = centered(j) + bias[j];
       } else {
-        for (int64_t j = 0; j < cols; ++j) row[j] = (row[j] - mean) * rstd;
+        for (int64_t j = 0; j < cols; ++j) row[j] = centered(j);
       }
       input_io.store(row, p.out, offset, cols);
     }
@@ -189,8 +194,11 @@ void forward_impl(const NormForwardParams& p) {
 //   LayerNorm: dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
 //   RMSNorm:   dx = rstd * (g - xhat * mean(g * xhat))
 //   dweight += dy * xhat, dbias += dy (per chunk of rows, then reduced in chunk order)
-template <typename acc_t>
+// The row math runs in double whatever the dtype: dx = rstd * (g - xhat * mean(g * xhat)) cancels badly when
+// xhat is close to +-1 (tiny rows, N = 1), and float rounding of xhat there cost more than ATen's error.
+template <typename stat_t>
 void backward_impl(const NormBackwardParams& p) {
+  using acc_t = double;
   const int64_t rows = p.rows;
   const int64_t cols = p.cols;
   const std::vector<acc_t> weight = load_param<acc_t>(p.weight, p.weight_type, cols);
@@ -198,8 +206,7 @@ void backward_impl(const NormBackwardParams& p) {
   const RowIO<acc_t> out_io = row_io<acc_t>(p.out_type);
   const RowIO<acc_t> saved_io = row_io<acc_t>(p.saved_type);
   const RowIO<acc_t> grad_residual_io = row_io<acc_t>(p.grad_residual_type);
-  const acc_t* mean_in = static_cast<const acc_t*>(p.mean);
-  const acc_t* rstd_in = static_cast<const acc_t*>(p.rstd);
+  const stat_t* rstd_in = static_cast<const stat_t*>(p.rstd);
 
   const int64_t chunks_wanted = std::clamp<int64_t>(std::min(kMaxChunks, kMaxPartialElems / cols), 1, rows);
   const int64_t chunk_rows = (rows + chunks_wanted - 1) / chunks_wanted;
@@ -220,18 +227,20 @@ void backward_impl(const NormBackwardParams& p) {
       const int64_t row_end = std::min(rows, (c + 1) * chunk_rows);
       for (int64_t r = c * chunk_rows; r < row_end; ++r) {
         const int64_t offset = r * cols;
-        const acc_t rstd = rstd_in[r];
+        const acc_t rstd = static_cast<acc_t>(rstd_in[r]);
         saved_io.load(p.saved, offset, xhat, cols);
         if (p.saved_is_output) {
           if (!bias.empty()) for (int64_t j = 0; j < cols; ++j) xhat[j] -= bias[j];
           if (!weight.empty()) for (int64_t j = 0; j < cols; ++j) xhat[j] /= weight[j];
         } else {
-          const acc_t mean = p.rms ? acc_t(0) : mean_in[r];
+          // The row's mean again, in double: the float32 mean the forward stored is off by up to half an ulp
+          // of the mean, which for a mean of 1e4 and a std of 1e-2 is 5% of xhat.
+          const acc_t mean = p.rms ? acc_t(0) : blocked_sum<acc_t>(cols, [&](int64_t j) { return xhat[j]; }) / cols;
           for (int64_t j = 0; j < cols; ++j) xhat[j] = (xhat[j] - mean) * rstd;
         }
         out_io.load(p.grad_out, offset, dy, cols);
-        if (dweight) for (int64_t j = 0; j < cols; ++j) dweight[j] += static_cast<double>(dy[j]) * xhat[j];
-        if (dbias) for (int64_t j = 0; j < cols; ++j) dbias[j] += static_cast<double>(dy[j]);
+        if (dweight) for (int64_t j = 0; j < cols; ++j) dweight[j] += dy[j] * xhat[j];
+        if (dbias) for (int64_t j = 0; j < cols; ++j) dbias[j] += dy[j];
         if (!weight.empty()) for (int64_t j = 0; j < cols; ++j) dy[j] *= weight[j];  // dy is g from here
         const auto [sum_g, sum_gx] = blocked_sum2<acc_t>(
             cols, [&](int64_t j) { return dy[j]; }, [&](int64_t j) { return dy[j] * xhat[j]; });
