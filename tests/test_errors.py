@@ -1,0 +1,298 @@
+"""Bad arguments raise a clear RuntimeError (worded like ATen's, see csrc/norm_checks.cpp) and never crash.
+
+Every forward case runs through the functional API and through the raw ``torch.ops.layernorm_ext`` op; the
+backward ops (not reachable with bad arguments through autograd) are called raw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import layernorm_ext
+from layernorm_ext import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+
+_ops = torch.ops.layernorm_ext
+_GEN_SEED = 11
+
+
+def _t(*shape: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Tensor:
+    gen = torch.Generator().manual_seed(_GEN_SEED)
+    base = torch.randn(shape, generator=gen, dtype=torch.float64)
+    if dtype == torch.bool:
+        return (base > 0).to(device)
+    if not dtype.is_floating_point and not dtype.is_complex:
+        return (base * 10).to(dtype).to(device)
+    return base.to(device=device, dtype=dtype)
+
+
+def _meta(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    return torch.empty(shape, device="meta", dtype=dtype)
+
+
+@dataclass
+class FwdCase:
+    """One bad forward call: ``kinds`` says which norms it applies to ("ln", "rms")."""
+
+    id: str
+    match: str
+    input: Callable[[], Tensor]
+    normalized_shape: list[int]
+    weight: Callable[[], Tensor | None] = lambda: None
+    bias: Callable[[], Tensor | None] = lambda: None
+    residual: Callable[[], Tensor | None] = lambda: None
+    kinds: tuple[str, ...] = ("ln", "rms")
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+SAME_DEVICE = r"expected all tensors to be on the same device, but found at least two devices, cpu and meta"
+
+FWD_CASES = [
+    FwdCase("shape_mismatch", r"given normalized_shape=\[7\], expected input with shape \[\*, 7\], "
+            r"but got input of size\s*\[4, 8\]", lambda: _t(4, 8), [7]),
+    FwdCase("shape_mismatch_2d", r"given normalized_shape=\[3, 8\], expected input with shape \[\*, 3, 8\]",
+            lambda: _t(2, 4, 8), [3, 8]),
+    FwdCase("shape_longer_than_input", r"given normalized_shape=\[2, 8\], expected input with shape \[\*, 2, 8\]",
+            lambda: _t(8), [2, 8]),
+    FwdCase("shape_mismatch_empty_input", r"given normalized_shape=\[7\]", lambda: _t(0, 8), [7]),
+    FwdCase("empty_normalized_shape", r"expected normalized_shape to be at least 1-dimensional", lambda: _t(4, 8), []),
+    FwdCase("weight_wrong_shape", r"expected weight to be of same shape as normalized_shape, but got weight of "
+            r"shape \[7\] and normalized_shape = \[8\]", lambda: _t(4, 8), [8], weight=lambda: _t(7)),
+    FwdCase("weight_flat_for_2d_shape", r"expected weight to be of same shape as normalized_shape",
+            lambda: _t(3, 2, 4), [2, 4], weight=lambda: _t(8)),
+    FwdCase("bias_wrong_shape", r"expected bias to be of same shape as normalized_shape, but got bias of shape "
+            r"\[1, 8\]", lambda: _t(4, 8), [8], weight=lambda: _t(8), bias=lambda: _t(1, 8), kinds=("ln",)),
+    FwdCase("int_input", r"expected input to be a floating point tensor.*but got input of dtype Long",
+            lambda: _t(4, 8, dtype=torch.int64), [8]),
+    FwdCase("int32_input", r"expected input to be a floating point tensor.*dtype Int",
+            lambda: _t(4, 8, dtype=torch.int32), [8]),
+    FwdCase("complex_input", r"expected input to be a floating point tensor.*dtype ComplexFloat",
+            lambda: _t(4, 8, dtype=torch.complex64), [8]),
+    FwdCase("bool_input", r"expected input to be a floating point tensor.*dtype Bool",
+            lambda: _t(4, 8, dtype=torch.bool), [8]),
+    FwdCase("int_weight", r"expected weight to be a floating point tensor.*but got weight of dtype Long",
+            lambda: _t(4, 8), [8], weight=lambda: _t(8, dtype=torch.int64)),
+    FwdCase("int_bias", r"expected bias to be a floating point tensor.*dtype Int",
+            lambda: _t(4, 8), [8], bias=lambda: _t(8, dtype=torch.int32), kinds=("ln",)),
+    FwdCase("weight_bias_dtypes_differ", r"expected weight and bias to have the same dtype, but got weight of "
+            r"dtype BFloat16 and bias of dtype Float", lambda: _t(4, 8, dtype=torch.bfloat16), [8],
+            weight=lambda: _t(8, dtype=torch.bfloat16), bias=lambda: _t(8), kinds=("ln",)),
+    FwdCase("fp32_input_bf16_weight", r"expected weight to have the input's dtype \(Float\), but got weight of "
+            r"dtype BFloat16", lambda: _t(4, 8), [8], weight=lambda: _t(8, dtype=torch.bfloat16)),
+    FwdCase("fp32_input_fp64_weight", r"expected weight to have the input's dtype \(Float\), but got weight of "
+            r"dtype Double", lambda: _t(4, 8), [8], weight=lambda: _t(8, dtype=torch.float64)),
+    FwdCase("fp16_input_fp64_weight", r"expected weight to have the input's dtype \(Half\) or float32, but got "
+            r"weight of dtype Double", lambda: _t(4, 8, dtype=torch.float16), [8],
+            weight=lambda: _t(8, dtype=torch.float64)),
+    FwdCase("bf16_input_fp16_weight", r"expected weight to have the input's dtype \(BFloat16\) or float32",
+            lambda: _t(4, 8, dtype=torch.bfloat16), [8], weight=lambda: _t(8, dtype=torch.float16)),
+    FwdCase("fp32_input_bf16_bias", r"expected bias to have the input's dtype \(Float\)",
+            lambda: _t(4, 8), [8], bias=lambda: _t(8, dtype=torch.bfloat16), kinds=("ln",)),
+    FwdCase("weight_on_meta", SAME_DEVICE + r".*argument weight", lambda: _t(4, 8), [8], weight=lambda: _meta(8)),
+    FwdCase("bias_on_meta", SAME_DEVICE + r".*argument bias", lambda: _t(4, 8), [8], weight=lambda: _t(8),
+            bias=lambda: _meta(8), kinds=("ln",)),
+    FwdCase("residual_on_meta", SAME_DEVICE + r".*argument residual", lambda: _t(4, 8), [8],
+            residual=lambda: _meta(4, 8)),
+    FwdCase("residual_wrong_shape", r"expected residual to have the same shape as input, but got residual of "
+            r"shape \[8\] and input of shape \[4, 8\]", lambda: _t(4, 8), [8], residual=lambda: _t(8)),
+    FwdCase("residual_wrong_shape_same_numel", r"expected residual to have the same shape as input",
+            lambda: _t(4, 8), [8], residual=lambda: _t(8, 4)),
+    FwdCase("int_residual", r"expected residual to be a floating point tensor.*dtype Long",
+            lambda: _t(4, 8), [8], residual=lambda: _t(4, 8, dtype=torch.int64)),
+    FwdCase("complex_residual", r"expected residual to be a floating point tensor.*dtype ComplexFloat",
+            lambda: _t(4, 8), [8], residual=lambda: _t(4, 8, dtype=torch.complex64)),
+]
+
+_FWD_PARAMS = [
+    pytest.param(case, kind, id=f"{case.id}-{kind}") for case in FWD_CASES for kind in ("ln", "rms")
+    if kind in case.kinds
+]
+
+
+def _call_functional(case: FwdCase, kind: str) -> object:
+    x, w, b, r = case.input(), case.weight(), case.bias(), case.residual()
+    if kind == "ln":
+        if r is None:
+            return layer_norm(x, case.normalized_shape, w, b)
+        return add_layer_norm(x, r, case.normalized_shape, w, b)
+    assert b is None
+    if r is None:
+        return rms_norm(x, case.normalized_shape, w)
+    return add_rms_norm(x, r, case.normalized_shape, w)
+
+
+def _call_op(case: FwdCase, kind: str) -> object:
+    x, w, b, r = case.input(), case.weight(), case.bias(), case.residual()
+    if kind == "ln":
+        return _ops.layer_norm_fwd(x, case.normalized_shape, w, b, 1e-5, r, False, False)
+    return _ops.rms_norm_fwd(x, case.normalized_shape, w, None, r, False, False)
+
+
+@pytest.mark.parametrize(("case", "kind"), _FWD_PARAMS)
+@pytest.mark.parametrize("api", ["functional", "op"])
+def test_forward_bad_args(case: FwdCase, kind: str, api: str) -> None:
+    call = _call_functional if api == "functional" else _call_op
+    op_name = "layer_norm" if kind == "ln" else "rms_norm"
+    with pytest.raises(RuntimeError, match=rf"{op_name}: .*{case.match}"):
+        call(case, kind)
+
+
+@pytest.mark.parametrize("kind", ["ln", "rms"])
+def test_forward_bad_args_with_requires_grad(kind: str) -> None:
+    """The autograd path checks the same way (the error comes from the op, before any context is saved)."""
+    x = _t(4, 8).requires_grad_(True)
+    w = _t(7).requires_grad_(True)
+    with pytest.raises(RuntimeError, match="expected weight to be of same shape as normalized_shape"):
+        if kind == "ln":
+            layer_norm(x, [8], w)
+        else:
+            rms_norm(x, [8], w)
+
+
+@pytest.mark.parametrize("kind", ["ln", "rms"])
+@pytest.mark.parametrize("module_arg", ["input_dtype", "input_shape"])
+def test_module_bad_input(kind: str, module_arg: str) -> None:
+    module = layernorm_ext.FusedLayerNorm(8) if kind == "ln" else layernorm_ext.FusedRMSNorm(8)
+    if module_arg == "input_dtype":
+        x, match = _t(4, 8, dtype=torch.int64), "expected input to be a floating point tensor"
+    else:
+        x, match = _t(4, 7), r"expected input with shape \[\*, 8\]"
+    with pytest.raises(RuntimeError, match=match):
+        module(x)
+
+
+# ---- backward ops -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BwdArgs:
+    grad_out: Tensor
+    saved: Tensor
+    mean: Tensor | None
+    rstd: Tensor
+    normalized_shape: list[int]
+    weight: Tensor | None
+    bias: Tensor | None
+    saved_is_output: bool = False
+    grad_residual_out: Tensor | None = None
+
+
+def _valid_bwd_args(kind: str, dtype: torch.dtype = torch.float32) -> BwdArgs:
+    x, w, b = _t(4, 8, dtype=dtype), _t(8, dtype=dtype), _t(8, dtype=dtype)
+    if kind == "ln":
+        _, _, mean, rstd = _ops.layer_norm_fwd(x, [8], w, b, 1e-5)
+        return BwdArgs(_t(4, 8, dtype=dtype), x, mean, rstd, [8], w, b)
+    _, _, rstd = _ops.rms_norm_fwd(x, [8], w, None)
+    return BwdArgs(_t(4, 8, dtype=dtype), x, None, rstd, [8], w, None)
+
+
+def _call_bwd(kind: str, a: BwdArgs) -> object:
+    if kind == "ln":
+        assert a.mean is not None
+        return _ops.layer_norm_bwd(a.grad_out, a.saved, a.mean, a.rstd, a.normalized_shape, a.weight, a.bias,
+                                   a.saved_is_output, a.grad_residual_out)
+    return _ops.rms_norm_bwd(a.grad_out, a.saved, a.rstd, a.normalized_shape, a.weight, a.saved_is_output,
+                             a.grad_residual_out)
+
+
+BwdMutation = Callable[[BwdArgs], None]
+
+
+def _set(**changes: Any) -> BwdMutation:
+    def apply(a: BwdArgs) -> None:
+        for name, make in changes.items():
+            setattr(a, name, make(a) if callable(make) else make)
+
+    return apply
+
+
+# (id, mutation, match, kinds)
+BWD_CASES: list[tuple[str, BwdMutation, str, tuple[str, ...]]] = [
+    ("grad_out_wrong_shape", _set(grad_out=lambda a: _t(4, 9)),
+     r"expected grad_out of shape \[4, 8\], but got grad_out of shape \[4, 9\]", ("ln", "rms")),
+    ("grad_out_transposed_shape", _set(grad_out=lambda a: _t(8, 4)),
+     r"expected grad_out of shape \[4, 8\], but got grad_out of shape \[8, 4\]", ("ln", "rms")),
+    ("grad_out_int", _set(grad_out=lambda a: _t(4, 8, dtype=torch.int64)),
+     r"expected grad_out to be a floating point tensor", ("ln", "rms")),
+    ("saved_int", _set(saved=lambda a: _t(4, 8, dtype=torch.int32)),
+     r"expected saved to be a floating point tensor", ("ln", "rms")),
+    ("saved_shape_vs_normalized_shape", _set(normalized_shape=[7]),
+     r"given normalized_shape=\[7\], expected input with shape \[\*, 7\]", ("ln", "rms")),
+    ("empty_normalized_shape", _set(normalized_shape=[]),
+     r"expected normalized_shape to be at least 1-dimensional", ("ln", "rms")),
+    ("rstd_too_few", _set(rstd=lambda a: a.rstd[:3]),
+     r"expected rstd to hold one value per row \(4\), but got rstd of shape \[3\]", ("ln", "rms")),
+    ("rstd_too_many", _set(rstd=lambda a: torch.ones(5)),
+     r"expected rstd to hold one value per row \(4\)", ("ln", "rms")),
+    ("rstd_wrong_dtype", _set(rstd=lambda a: a.rstd.double()),
+     r"expected rstd of dtype Float, but got Double", ("ln", "rms")),
+    ("rstd_bf16", _set(rstd=lambda a: a.rstd.bfloat16()),
+     r"expected rstd of dtype Float, but got BFloat16", ("ln", "rms")),
+    ("mean_too_few", _set(mean=lambda a: torch.zeros(2)),
+     r"expected mean to hold one value per row \(4\), but got mean of shape \[2\]", ("ln",)),
+    ("mean_wrong_dtype", _set(mean=lambda a: a.mean.half()),
+     r"expected mean of dtype Float, but got Half", ("ln",)),
+    ("rstd_on_meta", _set(rstd=lambda a: _meta(4)), SAME_DEVICE + r".*argument rstd", ("ln", "rms")),
+    ("grad_out_on_meta", _set(grad_out=lambda a: _meta(4, 8)), SAME_DEVICE + r".*argument grad_out",
+     ("ln", "rms")),
+    ("weight_on_meta", _set(weight=lambda a: _meta(8)), SAME_DEVICE + r".*argument weight", ("ln", "rms")),
+    ("weight_wrong_shape", _set(weight=lambda a: _t(9)),
+     r"expected weight to be of same shape as normalized_shape", ("ln", "rms")),
+    ("bias_wrong_shape", _set(bias=lambda a: _t(4)),
+     r"expected bias to be of same shape as normalized_shape", ("ln",)),
+    ("weight_wrong_dtype", _set(weight=lambda a: a.weight.bfloat16()),
+     r"expected weight to have the input's dtype \(Float\)", ("ln", "rms")),
+    ("weight_int", _set(weight=lambda a: _t(8, dtype=torch.int64)),
+     r"expected weight to be a floating point tensor", ("ln", "rms")),
+    ("saved_is_output_dtype_mismatch",
+     _set(saved=lambda a: a.saved.double(), saved_is_output=True),
+     r"with saved_is_output, expected saved \(the forward's output\) to have grad_out's dtype Float, but got Double",
+     ("ln", "rms")),
+    ("grad_residual_out_wrong_shape", _set(grad_residual_out=lambda a: _t(4, 7)),
+     r"expected grad_residual_out of shape \[4, 8\], but got \[4, 7\]", ("ln", "rms")),
+    ("grad_residual_out_int", _set(grad_residual_out=lambda a: _t(4, 8, dtype=torch.int64)),
+     r"expected grad_residual_out to be a floating point tensor", ("ln", "rms")),
+    ("grad_residual_out_on_meta", _set(grad_residual_out=lambda a: _meta(4, 8)),
+     SAME_DEVICE + r".*argument grad_residual_out", ("ln", "rms")),
+]
+
+_BWD_PARAMS = [
+    pytest.param(mutate, match, kind, id=f"{case_id}-{kind}")
+    for case_id, mutate, match, kinds in BWD_CASES
+    for kind in kinds
+]
+
+
+@pytest.mark.parametrize(("mutate", "match", "kind"), _BWD_PARAMS)
+def test_backward_op_bad_args(mutate: BwdMutation, match: str, kind: str) -> None:
+    args = _valid_bwd_args(kind)
+    _call_bwd(kind, args)  # the unmodified arguments are fine
+    mutate(args)
+    op_name = "layer_norm_backward" if kind == "ln" else "rms_norm_backward"
+    with pytest.raises(RuntimeError, match=rf"{op_name}: .*{match}"):
+        _call_bwd(kind, args)
+
+
+@pytest.mark.parametrize("kind", ["ln", "rms"])
+def test_backward_stats_follow_fp64_rows(kind: str) -> None:
+    """float64 rows need float64 stats: float32 ones are refused."""
+    args = _valid_bwd_args(kind, torch.float64)
+    _call_bwd(kind, args)
+    args.rstd = args.rstd.float()
+    with pytest.raises(RuntimeError, match=r"expected rstd of dtype Double, but got Float"):
+        _call_bwd(kind, args)
+
+
+def test_library_still_works_after_errors() -> None:
+    """Errors leave nothing behind: a valid call right after a failed one gives ATen's result."""
+    x, w, b = _t(4, 8), _t(8), _t(8)
+    for bad in (lambda: layer_norm(x, [7], w, b), lambda: rms_norm(x, [8], _t(8, dtype=torch.int64))):
+        with pytest.raises(RuntimeError):
+            bad()
+    torch.testing.assert_close(layer_norm(x, [8], w, b), torch.nn.functional.layer_norm(x, [8], w, b))
+    torch.testing.assert_close(rms_norm(x, [8], w), torch.nn.functional.rms_norm(x, [8], w))

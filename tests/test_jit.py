@@ -1,0 +1,144 @@
+"""The JIT-built library (``LAYERNORM_EXT_JIT=1``) gives bitwise the results of the prebuilt one.
+
+Only one native library may be loaded per process, so the JIT side runs in a subprocess (this file run as a
+script) with its own extension cache; it saves its results, which are compared with the same computation
+done here on the prebuilt library. Builds the library once (about a minute): marked slow.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+import layernorm_ext
+from layernorm_ext import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+
+try:  # pytest is not needed by the subprocess side
+    import pytest
+
+    pytestmark = pytest.mark.slow
+except ImportError:  # pragma: no cover
+    pass
+
+_INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+             torch.bfloat16: torch.int16}
+_BUILD_TIMEOUT_S = 600
+# build_info keys that must agree between the two builds (the CPU kernels' instruction set and threading).
+_SAME_INFO = ("torch_version", "cpu_isa", "openmp", "compiler")
+
+
+def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0, shift: float = 0.0) -> Tensor:
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale + shift).to(dtype)
+
+
+def compute() -> dict[str, Tensor]:
+    """Outputs and gradients of every op for fixed, seeded inputs (CPU), keyed by name."""
+    results: dict[str, Tensor] = {}
+    gen = torch.Generator().manual_seed(1234)
+    cases = [
+        # (name, rows shape, cols, input dtype, residual dtype, param dtype)
+        ("f32", (37,), 300, torch.float32, torch.float32, torch.float32),
+        ("f64", (5, 3), 1031, torch.float64, torch.float64, torch.float64),
+        ("bf16", (64,), 4096, torch.bfloat16, torch.bfloat16, torch.bfloat16),
+        ("f16_mixed", (3, 7), 257, torch.float16, torch.float32, torch.float32),
+        ("bf16_mixed", (129,), 64, torch.bfloat16, torch.bfloat16, torch.float32),
+    ]
+    for name, lead, cols, dt, rdt, pdt in cases:
+        shape = (*lead, cols)
+        x = _randn(gen, *shape, dtype=dt, scale=2.0, shift=0.5)
+        r = _randn(gen, *shape, dtype=rdt)
+        w = _randn(gen, cols, dtype=pdt, scale=0.5, shift=1.0)
+        b = _randn(gen, cols, dtype=pdt, scale=0.5)
+        g_out = _randn(gen, *shape, dtype=dt)
+        for variant in ("ln", "rms", "add_ln", "add_rms", "add_ln_fp32res", "ln_memeff", "rms_memeff"):
+            xi, ri, wi, bi = (t.clone().requires_grad_(True) for t in (x, r, w, b))
+            me = variant.endswith("memeff")
+            if variant.startswith("ln"):
+                outs = [layer_norm(xi, cols, wi, bi, memory_efficient=me)]
+                leaves = [xi, wi, bi]
+            elif variant.startswith("rms"):
+                outs = [rms_norm(xi, cols, wi, memory_efficient=me)]
+                leaves = [xi, wi]
+            elif variant == "add_rms":
+                outs = list(add_rms_norm(xi, ri, cols, wi))
+                leaves = [xi, ri, wi]
+            else:
+                outs = list(add_layer_norm(xi, ri, cols, wi, bi, residual_in_fp32=variant.endswith("fp32res")))
+                leaves = [xi, ri, wi, bi]
+            grads_in = [g_out] + [g_out.to(o.dtype) * 0.5 for o in outs[1:]]
+            grads = torch.autograd.grad(outs, leaves, grads_in)
+            for i, o in enumerate(outs):
+                results[f"{name}/{variant}/out{i}"] = o.detach()
+            for i, g in enumerate(grads):
+                results[f"{name}/{variant}/grad{i}"] = g
+        # The raw ops' statistics too.
+        _, _, mean, rstd = torch.ops.layernorm_ext.layer_norm_fwd(x, [cols], w, b, 1e-5, r, False, False)
+        results[f"{name}/op/mean"], results[f"{name}/op/rstd"] = mean, rstd
+        _, _, rstd = torch.ops.layernorm_ext.rms_norm_fwd(x, [cols], None, None, None, False, False)
+        results[f"{name}/op/rms_rstd"] = rstd
+    return results
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.contiguous().view(_INT_VIEW[t.dtype])
+
+
+def _child_main(out_path: str) -> None:
+    """The subprocess side: this module's import already loaded the library through the JIT path."""
+    info = layernorm_ext.build_info()
+    payload = {
+        "build_info": {k: info[k] for k in (*_SAME_INFO, "load_method")},
+        "prebuilt_loaded": "layernorm_ext._C" in sys.modules,
+        "results": compute(),
+    }
+    torch.save(payload, out_path)
+
+
+def test_jit_build_matches_prebuilt(tmp_path: Path) -> None:
+    assert layernorm_ext.build_info()["load_method"] == "prebuilt", "this process must use the prebuilt library"
+    ext_dir = tmp_path / "torch_extensions"
+    out_path = tmp_path / "jit_results.pt"
+    env = dict(os.environ)
+    env["LAYERNORM_EXT_JIT"] = "1"
+    env["TORCH_EXTENSIONS_DIR"] = str(ext_dir)
+    # The interpreter's own bin folder first (ninja from the same environment), as in an activated venv.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), str(out_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=_BUILD_TIMEOUT_S,
+        cwd=str(tmp_path),
+    )
+    assert proc.returncode == 0, f"JIT subprocess failed:\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+
+    payload = torch.load(out_path, weights_only=True)
+    jit_info = payload["build_info"]
+    assert jit_info["load_method"] == "jit"
+    assert payload["prebuilt_loaded"] is False, "the JIT process also loaded the prebuilt library"
+    ours_info = layernorm_ext.build_info()
+    for key in _SAME_INFO:
+        assert jit_info[key] == ours_info[key], (key, jit_info[key], ours_info[key])
+    built = list(ext_dir.rglob("layernorm_ext_jit*.so"))
+    assert built, f"no JIT library under TORCH_EXTENSIONS_DIR={ext_dir}"
+
+    jit_results: dict[str, Tensor] = payload["results"]
+    prebuilt_results = compute()
+    assert sorted(jit_results) == sorted(prebuilt_results)
+    mismatched = []
+    for key, want in prebuilt_results.items():
+        got = jit_results[key]
+        assert got.dtype == want.dtype and got.shape == want.shape, key
+        if not torch.equal(_bits(got), _bits(want)):
+            mismatched.append(key)
+    assert not mismatched, f"JIT and prebuilt results differ bitwise: {mismatched}"
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1])
