@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import sys
 from types import ModuleType
@@ -24,12 +26,11 @@ def _release(version: str) -> str:
 
 def _load_prebuilt() -> ModuleType | None:
     """The library setup.py built, or None when the package was installed without one."""
+    name = f"{__package__}._C"
+    if importlib.util.find_spec(name) is None:
+        return None
     try:
-        from . import _C
-    except ModuleNotFoundError as err:
-        if err.name == f"{__package__}._C":
-            return None
-        raise
+        _C = importlib.import_module(name)
     except ImportError as err:  # typically an undefined symbol: built against another torch
         raise ImportError(f"layernorm_ext: loading the prebuilt library failed ({err}). {_REBUILD_HINT}") from err
     built_for = _C.build_info()["torch_version"]

@@ -51,7 +51,11 @@ def rms_norm(
     *,
     memory_efficient: bool = False,
 ) -> Tensor:
-    """RMSNorm as ``torch.nn.functional.rms_norm``; ``eps=None`` means ``torch.finfo(input.dtype).eps``."""
+    """RMSNorm as ``torch.nn.functional.rms_norm``.
+
+    ``eps=None`` means, as in ATen, the machine epsilon of the compute dtype: ``finfo(float32).eps`` for
+    float32/float16/bfloat16 input, ``finfo(float64).eps`` for float64.
+    """
     out, _, _ = _ops.rms_norm_fwd(input, _as_shape(normalized_shape), weight, eps, None, False, memory_efficient)
     return out
 
@@ -90,7 +94,7 @@ def add_rms_norm(
 ) -> tuple[Tensor, Tensor]:
     """Pre-norm block: ``h = input + residual; out = rms_norm(h)``, fused. Returns ``(out, h)``.
 
-    ``eps=None`` means ``torch.finfo(h.dtype).eps``.
+    ``eps=None`` means the machine epsilon of h's compute dtype (float32, or float64 for float64 h).
     """
     out, residual_out, _ = _ops.rms_norm_fwd(
         input, _as_shape(normalized_shape), weight, eps, residual, residual_in_fp32, memory_efficient

@@ -1,8 +1,9 @@
-"""The JIT-built library (``LAYERNORM_EXT_JIT=1``) gives bitwise the results of the prebuilt one.
+"""The JIT-built library gives bitwise the results of the prebuilt one, both when asked for
+(``LAYERNORM_EXT_JIT=1``) and when a pure-Python install (``LAYERNORM_EXT_BUILD=0``) builds it on first import.
 
 Only one native library may be loaded per process, so the JIT side runs in a subprocess (this file run as a
 script) with its own extension cache; it saves its results, which are compared with the same computation
-done here on the prebuilt library. Builds the library once (about a minute): marked slow.
+done here on the prebuilt library. Each test builds the library once (about a minute): marked slow.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import torch
@@ -17,6 +19,7 @@ from torch import Tensor
 
 import layernorm_ext
 from layernorm_ext import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from layernorm_ext._sources import CPU_SOURCES
 
 try:  # pytest is not needed by the subprocess side
     import pytest
@@ -92,6 +95,7 @@ def _child_main(out_path: str) -> None:
     """The subprocess side: this module's import already loaded the library through the JIT path."""
     info = layernorm_ext.build_info()
     payload = {
+        "package_file": layernorm_ext.__file__,
         "build_info": {k: info[k] for k in (*_SAME_INFO, "load_method")},
         "prebuilt_loaded": "layernorm_ext._C" in sys.modules,
         "results": compute(),
@@ -99,35 +103,35 @@ def _child_main(out_path: str) -> None:
     torch.save(payload, out_path)
 
 
-def test_jit_build_matches_prebuilt(tmp_path: Path) -> None:
-    assert layernorm_ext.build_info()["load_method"] == "prebuilt", "this process must use the prebuilt library"
+def _run_child(tmp_path: Path, env_extra: dict[str, str], python_prelude: str = "") -> dict:
+    """Run this file as a script in a subprocess with its own extension cache; return what it saved."""
     ext_dir = tmp_path / "torch_extensions"
     out_path = tmp_path / "jit_results.pt"
     env = dict(os.environ)
-    env["LAYERNORM_EXT_JIT"] = "1"
+    env.pop("LAYERNORM_EXT_JIT", None)
+    env.update(env_extra)
     env["TORCH_EXTENSIONS_DIR"] = str(ext_dir)
     # The interpreter's own bin folder first (ninja from the same environment), as in an activated venv.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    script = Path(__file__).resolve()
+    code = f"{python_prelude}\nimport runpy, sys\nsys.argv = [{str(script)!r}, {str(out_path)!r}]\n" \
+        f"runpy.run_path({str(script)!r}, run_name='__main__')"
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), str(out_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=_BUILD_TIMEOUT_S,
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S,
         cwd=str(tmp_path),
     )
     assert proc.returncode == 0, f"JIT subprocess failed:\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert list(ext_dir.rglob("layernorm_ext_jit*.so")), f"no JIT library under TORCH_EXTENSIONS_DIR={ext_dir}"
+    return torch.load(out_path, weights_only=True)
 
-    payload = torch.load(out_path, weights_only=True)
+
+def _assert_same_as_prebuilt(payload: dict) -> None:
     jit_info = payload["build_info"]
     assert jit_info["load_method"] == "jit"
     assert payload["prebuilt_loaded"] is False, "the JIT process also loaded the prebuilt library"
     ours_info = layernorm_ext.build_info()
     for key in _SAME_INFO:
         assert jit_info[key] == ours_info[key], (key, jit_info[key], ours_info[key])
-    built = list(ext_dir.rglob("layernorm_ext_jit*.so"))
-    assert built, f"no JIT library under TORCH_EXTENSIONS_DIR={ext_dir}"
-
     jit_results: dict[str, Tensor] = payload["results"]
     prebuilt_results = compute()
     assert sorted(jit_results) == sorted(prebuilt_results)
@@ -138,6 +142,47 @@ def test_jit_build_matches_prebuilt(tmp_path: Path) -> None:
         if not torch.equal(_bits(got), _bits(want)):
             mismatched.append(key)
     assert not mismatched, f"JIT and prebuilt results differ bitwise: {mismatched}"
+
+
+def test_jit_build_matches_prebuilt(tmp_path: Path) -> None:
+    assert layernorm_ext.build_info()["load_method"] == "prebuilt", "this process must use the prebuilt library"
+    payload = _run_child(tmp_path, {"LAYERNORM_EXT_JIT": "1"})
+    _assert_same_as_prebuilt(payload)
+
+
+# A development install (pip install -e) puts a finder on sys.meta_path that would hand the child the prebuilt
+# layernorm_ext._C; the child drops it so that it sees only the pure-Python install.
+_DROP_EDITABLE_FINDERS = (
+    "import sys\n"
+    "sys.meta_path[:] = [f for f in sys.meta_path if not str(getattr(f, '__module__', '')).startswith('__editable__')]"
+)
+
+
+def test_pure_python_install_builds_on_first_import(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    wheel_dir, site = tmp_path / "wheel", tmp_path / "site"
+    env = dict(os.environ, LAYERNORM_EXT_BUILD="0")
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    build = subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir), str(repo)],
+        env=env, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S,
+    )
+    assert build.returncode == 0, build.stderr[-4000:]
+    (wheel,) = wheel_dir.glob("layernorm_ext-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    assert not [n for n in names if n.endswith((".so", ".pyd"))], "a LAYERNORM_EXT_BUILD=0 wheel holds a library"
+    for source in CPU_SOURCES:
+        assert f"layernorm_ext/csrc/{source}" in names, f"the wheel lacks csrc/{source}"
+    install = subprocess.run(
+        [*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
+        capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S,
+    )
+    assert install.returncode == 0, install.stderr[-4000:]
+
+    payload = _run_child(tmp_path, {"PYTHONPATH": str(site)}, _DROP_EDITABLE_FINDERS)
+    assert Path(payload["package_file"]).resolve().is_relative_to(site.resolve()), payload["package_file"]
+    _assert_same_as_prebuilt(payload)
 
 
 if __name__ == "__main__":

@@ -178,8 +178,9 @@ def _check_against_torch(ours: Module, ref: Module, x: Tensor, grad: Tensor, wha
 
 def _double_copy(ref: Module, input_dtype: torch.dtype) -> Module:
     """torch's module in float64 with the same parameter values and the same effective eps (RMSNorm's
-    eps=None means the eps of the input's dtype, not float64's)."""
-    eps = ref.eps if ref.eps is not None else torch.finfo(input_dtype).eps
+    eps=None means the eps of the input's compute dtype, float32 for half inputs, not float64's)."""
+    compute_dtype = torch.float64 if input_dtype == torch.float64 else torch.float32
+    eps = ref.eps if ref.eps is not None else torch.finfo(compute_dtype).eps
     ref64: Module
     if isinstance(ref, torch.nn.LayerNorm):
         ref64 = torch.nn.LayerNorm(ref.normalized_shape, eps, ref.elementwise_affine, ref.bias is not None,

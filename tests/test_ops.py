@@ -274,7 +274,7 @@ def test_stats_outputs(case: Case, rms: bool) -> None:
     hd = h.double()
     if rms:
         (rstd,) = outs[2:]
-        eps = torch.finfo(h_dtype).eps if rms_eps is None else rms_eps
+        eps = torch.finfo(stat_dtype).eps if rms_eps is None else rms_eps  # ATen: eps of the compute dtype
         ref_rstd = torch.rsqrt(hd.pow(2).mean(dim=dims) + eps) if hd.numel() else torch.empty(lead, dtype=F64)
     else:
         mean, rstd = outs[2:]
