@@ -7,6 +7,7 @@
 #include <c10/core/SymIntArrayRef.h>
 
 #include <functional>
+#include <string>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -43,7 +44,7 @@ struct NormForwardParams {
 // mode, which recovers xhat = (out - bias) / weight). grad_input has saved_type.
 struct NormBackwardParams {
   const void* grad_out = nullptr;           // out_type
-  const void* grad_residual_out = nullptr;  // saved_type, added to grad_input; may be nullptr
+  const void* grad_residual_out = nullptr;  // saved_type (converted by the op body), added to grad_input
   const void* saved = nullptr;
   const void* mean = nullptr;  // acc_type; nullptr for RMSNorm (kernels may recompute it more precisely)
   const void* rstd = nullptr;  // acc_type
@@ -54,7 +55,6 @@ struct NormBackwardParams {
   void* grad_bias = nullptr;    // weight_type; nullptr when bias is nullptr
   ScalarType out_type = ScalarType::Float;
   ScalarType saved_type = ScalarType::Float;
-  ScalarType grad_residual_type = ScalarType::Float;
   ScalarType weight_type = ScalarType::Float;
   ScalarType acc_type = ScalarType::Float;
   int64_t rows = 0;
@@ -109,7 +109,9 @@ std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& grad_out, const Tensor& sa
 namespace cpu {
 void forward(const NormForwardParams& p);
 void backward(const NormBackwardParams& p);
-const char* isa_name();  // instruction set the CPU kernels use
+const char* isa_name();                   // instruction set the CPU kernels use: scalar, avx2 or avx512
+std::vector<std::string> supported_isas();  // those this CPU can run, best first
+std::string set_isa(const std::string& isa);  // switch (tests, benchmarks); returns the previous one
 }  // namespace cpu
 
 }  // namespace layernorm_ext

@@ -92,7 +92,11 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
   const Tensor rstd = rstd_arg.contiguous();
   const OptTensor weight = contiguous(weight_arg);
   const OptTensor bias = contiguous(bias_arg);
-  const OptTensor grad_residual_out = contiguous(grad_residual_out_arg);
+  // The kernels read grad_residual_out as the saved rows' dtype (autograd passes exactly that).
+  const OptTensor grad_residual_out =
+      grad_residual_out_arg.has_value()
+          ? OptTensor(grad_residual_out_arg->to(saved.scalar_type()).contiguous())
+          : std::nullopt;
 
   BackwardResult r;
   r.grad_input = at::empty(saved.sizes(), saved.options());
@@ -120,7 +124,6 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
   p.grad_bias = bias.has_value() ? r.grad_bias.data_ptr() : nullptr;
   p.out_type = grad_out.scalar_type();
   p.saved_type = saved.scalar_type();
-  p.grad_residual_type = grad_residual_out.has_value() ? grad_residual_out->scalar_type() : saved.scalar_type();
   p.weight_type = weight_type;
   p.acc_type = rstd.scalar_type();
   p.rows = g.rows;

@@ -15,6 +15,10 @@ CPU_SOURCES: tuple[str, ...] = (
     "norm_ops.cpp",
     "cpu/norm_cpu.cpp",
     "cpu/norm_kernel.cpp",
+    # Row kernels, one copy per instruction set (each file sets its own target; see csrc/cpu/rows_impl.h).
+    "cpu/rows_portable.cpp",
+    "cpu/rows_avx2.cpp",
+    "cpu/rows_avx512.cpp",
 )
 
 # -fopenmp at compile time only: at::parallel_for is inline and expands to OpenMP pragmas; its runtime

@@ -7,6 +7,8 @@ the result dtype at the reference's largest magnitude.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -14,8 +16,10 @@ import layernorm_ext  # noqa: F401  (loads the library and registers the ops)
 from layernorm_ext.selfcheck import compare, ulp_atol
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# Every CPU instruction set this machine runs; the numerics sweep runs on each (fixture cpu_isa).
+CPU_ISAS: list[str] = list(layernorm_ext.native.supported_cpu_isas())
 
-__all__ = ["DEVICES", "assert_no_worse_than_aten", "ulp_atol"]
+__all__ = ["CPU_ISAS", "DEVICES", "assert_no_worse_than_aten", "ulp_atol"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -28,6 +32,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> str:
     return request.param
+
+
+@pytest.fixture(params=CPU_ISAS)
+def cpu_isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test with the CPU kernels of one instruction set, then restore the previous one."""
+    previous = layernorm_ext.native.set_cpu_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        layernorm_ext.native.set_cpu_isa(previous)
 
 
 def assert_no_worse_than_aten(

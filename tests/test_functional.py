@@ -31,7 +31,11 @@ import layernorm_ext as L
 from conftest import assert_no_worse_than_aten
 
 # ATen's rms_norm warns on every mixed-dtype call (half input, float32 weight) that it takes its slower path
-pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight:UserWarning")
+# Every test runs on every CPU instruction set this machine supports (fixture cpu_isa in conftest).
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight:UserWarning"),
+    pytest.mark.usefixtures("cpu_isa"),
+]
 
 # ---- parameters --------------------------------------------------------------------------------------------
 

@@ -1,0 +1,67 @@
+// The interface between the CPU orchestration (norm_kernel.cpp: threads, chunks, dtype resolution) and the
+// row kernels compiled once per instruction set (rows_portable.cpp, rows_avx2.cpp, rows_avx512.cpp, all from
+// rows_impl.h). Plain C++ only: the ISA translation units include no torch header, so no inline function
+// compiled for AVX-512 can leak into code that runs on a CPU without it.
+#pragma once
+
+#include <cstdint>
+
+namespace layernorm_ext {
+namespace cpu {
+
+enum class Dtype : int { f32 = 0, f64 = 1, bf16 = 2, f16 = 3 };
+constexpr int kNumDtypes = 4;
+
+// h = x + r, rounded to h's dtype, over elements [offset, offset + n).
+using AddRowFn = void (*)(const void* x, const void* r, void* h, int64_t offset, int64_t n);
+
+// Forward over rows [begin, end). Row r reads src = input (or, with a residual, h written by add_row first),
+// writes out, and the statistics. weight/bias: nullptr or cols values of the compute type (float, or double
+// when the rows are float64).
+struct ForwardRows {
+  const void* input;
+  const void* residual;  // nullptr: no fused residual
+  void* residual_out;    // h
+  AddRowFn add_row;
+  void* out;
+  const void* weight;
+  const void* bias;
+  void* mean;  // compute type; nullptr for RMSNorm
+  void* rstd;  // compute type
+  int64_t cols;
+  double eps;
+  bool rms;
+};
+using ForwardRowsFn = void (*)(const ForwardRows& a, int64_t begin, int64_t end);
+
+// Backward over rows [begin, end): grad_input rows, and the rows' dweight / dbias contributions added into
+// the double partial sums given (nullptr: not wanted). Math in double. weight/bias: double, or nullptr.
+struct BackwardRows {
+  const void* grad_out;
+  const void* grad_residual_out;  // saved's dtype; nullptr if none
+  const void* saved;              // h, or the forward's out when saved_is_output
+  const void* rstd;               // float, or double for float64 saved
+  const double* weight;
+  const double* bias;
+  void* grad_input;  // saved's dtype
+  int64_t cols;
+  bool rms;
+  bool saved_is_output;
+  bool stats_double;
+};
+using BackwardRowsFn = void (*)(const BackwardRows& a, int64_t begin, int64_t end, double* dweight, double* dbias);
+
+// One instruction set's kernels. Lookups return nullptr for dtype pairs no kernel exists for.
+struct RowKernels {
+  const char* isa;
+  AddRowFn (*add_row)(Dtype x, Dtype r, Dtype h);
+  ForwardRowsFn (*forward_rows)(Dtype src, Dtype out);
+  BackwardRowsFn (*backward_rows)(Dtype saved, Dtype grad_out);
+};
+
+const RowKernels& portable_row_kernels();
+const RowKernels& avx2_row_kernels();
+const RowKernels& avx512_row_kernels();
+
+}  // namespace cpu
+}  // namespace layernorm_ext

@@ -1,0 +1,9 @@
+// Row kernels for AVX2 + FMA + F16C. Only this file is compiled for them (target pragma), and it includes no
+// torch header; the dispatcher (norm_kernel.cpp) calls in only after checking the CPU has these features.
+#pragma GCC target("avx2,fma,f16c")
+#define LNX_ISA_NS isa_avx2
+#define LNX_ISA_NAME "avx2"
+#define LNX_FLOAT_LANES 8
+#define LNX_F16C 1
+#define LNX_ENTRY avx2_row_kernels
+#include "rows_impl.h"
