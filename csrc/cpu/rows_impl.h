@@ -6,7 +6,7 @@
 //   LNX_F16C         1 where vcvtph2ps / vcvtps2ph may be used
 //   LNX_ENTRY        name of the function returning this copy's RowKernels
 // Vectors are GCC vector extensions of LNX_FLOAT_LANES * 4 bytes, so the target pragma of the including file
-// picks the instructions; only the float16 conversions use intrinsics.
+// picks the instructions; the bfloat16/float16 conversions use intrinsics (x86-64 only: SSE2 at least).
 //
 // Mapping: the caller hands each thread a range of rows; a row is handled by one thread, front to back, in
 // vectors of the compute type (float; double for float64 rows and in the whole backward).
@@ -23,9 +23,7 @@
 #include <type_traits>
 #include <utility>
 
-#if LNX_F16C
 #include <immintrin.h>
-#endif
 
 #include "row_kernels.h"
 
@@ -43,6 +41,9 @@ struct f16 {
 
 constexpr int kFloatLanes = LNX_FLOAT_LANES;
 constexpr int64_t kFlushVectors = 16;
+// LayerNorm's one-pass variance about a shift s loses (mean - s)^2 / var relative precision: above this
+// ratio the sums are taken again about the mean.
+constexpr double kMaxShiftSq = 0.25;
 
 template <class C>
 struct VecOf {
@@ -112,11 +113,28 @@ inline typename FloatN<N>::type load_floats(const float* p) {
   return v;
 }
 
+// bfloat16 -> float is a 16-bit shift; written with intrinsics, GCC's generic vector code for it is poor.
 template <int N>
 inline typename FloatN<N>::type load_floats(const bf16* p) {
-  typename U16N<N>::type h;
-  std::memcpy(&h, p, sizeof h);
-  return reinterpret_cast<typename FloatN<N>::type>(__builtin_convertvector(h, typename U32N<N>::type) << 16);
+  typename FloatN<N>::type v;
+  if constexpr (N == 16) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i bits = _mm512_slli_epi32(wide, 16);
+    std::memcpy(&v, &bits, 64);
+  } else if constexpr (N == 8) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i bits = _mm256_slli_epi32(wide, 16);
+    std::memcpy(&v, &bits, 32);
+  } else if constexpr (N == 4) {  // SSE2: interleaving zeros below each value is the shift
+    const __m128i bits = _mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    std::memcpy(&v, &bits, 16);
+  } else {
+    for (int i = 0; i < N; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(p[i].bits) << 16;
+      std::memcpy(&v[i], &bits, 4);
+    }
+  }
+  return v;
 }
 
 template <int N>
@@ -153,15 +171,52 @@ inline void store_floats(float* p, typename FloatN<N>::type v) {
   std::memcpy(p, &v, sizeof v);
 }
 
+// float -> bfloat16, round to nearest even, NaN kept quiet: (bits + 0x7fff + lsb) >> 16.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if (f != f) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 template <int N>
 inline void store_floats(bf16* p, typename FloatN<N>::type v) {
-  using U = typename U32N<N>::type;
-  const U bits = reinterpret_cast<U>(v);
-  const U rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const U quiet_nan = (bits >> 16) | 0x40u;
-  const U result = (v != v) ? quiet_nan : rounded;
-  const typename U16N<N>::type h = __builtin_convertvector(result, typename U16N<N>::type);
-  std::memcpy(p, &h, sizeof h);
+  if constexpr (N == 16) {
+    __m512 f;
+    std::memcpy(&f, &v, 64);
+    const __m512i bits = _mm512_castps_si512(f);
+    const __m512i high = _mm512_srli_epi32(bits, 16);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    rounded = _mm512_mask_blend_epi32(nan, rounded, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+  } else if constexpr (N == 8) {
+    __m256 f;
+    std::memcpy(&f, &v, 32);
+    const __m256i bits = _mm256_castps_si256(f);
+    const __m256i high = _mm256_srli_epi32(bits, 16);
+    const __m256i bias = _mm256_add_epi32(_mm256_and_si256(high, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7fff));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  } else if constexpr (N == 4) {  // SSE2
+    __m128 f;
+    std::memcpy(&f, &v, 16);
+    const __m128i bits = _mm_castps_si128(f);
+    const __m128i high = _mm_srli_epi32(bits, 16);
+    const __m128i bias = _mm_add_epi32(_mm_and_si128(high, _mm_set1_epi32(1)), _mm_set1_epi32(0x7fff));
+    __m128i rounded = _mm_srli_epi32(_mm_add_epi32(bits, bias), 16);
+    const __m128i nan = _mm_castps_si128(_mm_cmpunord_ps(f, f));
+    rounded = _mm_or_si128(_mm_andnot_si128(nan, rounded), _mm_and_si128(nan, _mm_or_si128(high, _mm_set1_epi32(0x40))));
+    // Sign-extend the low 16 bits so that the signed saturating pack keeps them as they are.
+    const __m128i signed16 = _mm_srai_epi32(_mm_slli_epi32(rounded, 16), 16);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(signed16, signed16));
+  } else {
+    for (int i = 0; i < N; ++i) p[i].bits = float_to_bf16(v[i]);
+  }
 }
 
 template <int N>
@@ -341,13 +396,40 @@ void add_row(const void* x_ptr, const void* r_ptr, void* h_ptr, int64_t offset, 
 }
 
 // ---- forward ------------------------------------------------------------------------------------------------
+// out = xhat * weight + bias over one row, xhat = (x - hi) * rstd - lo * rstd (LayerNorm) or x * rstd (RMSNorm);
+// the flags are template arguments so that the loop has no branch but the tail.
+template <bool kRms, bool kWeight, bool kBias, class C, class S, class Y>
+inline void normalize_row(const S* src, Y* out, const C* weight, const C* bias, int64_t n, C hi, C lo, C rstd) {
+  constexpr int64_t L = kLanes<C>;
+  const Vec<C> hi_v = broadcast<C>(hi), lo_scaled = broadcast<C>(lo * rstd), scale = broadcast<C>(rstd);
+  auto normalize = [&](Vec<C> x, int64_t j, int64_t count) {
+    Vec<C> y;
+    if constexpr (kRms) {
+      y = x * scale;
+    } else {
+      y = (x - hi_v) * scale - lo_scaled;  // x - hi is exact near the mean; lo * rstd is the small rest
+    }
+    if constexpr (kWeight) y = y * load_at<C>(weight, j, count);
+    if constexpr (kBias) y = y + load_at<C>(bias, j, count);
+    return y;
+  };
+  int64_t j = 0;
+  for (; j + L <= n; j += L) store<C>(out + j, normalize(load<C>(src + j), j, L));
+  if (j < n) store_part<C>(out + j, normalize(load_part<C>(src + j, n - j), j, n - j), n - j);
+}
+
 template <class S, class Y>
 void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
   using C = ComputeOf<S>;
   constexpr int64_t L = kLanes<C>;
+  // Every field read once: the stores below could alias `a` as far as the compiler knows.
   const int64_t n = a.cols;
   const C* weight = static_cast<const C*>(a.weight);
   const C* bias = static_cast<const C*>(a.bias);
+  const bool rms = a.rms;
+  const double eps = a.eps;
+  C* mean_out = static_cast<C*>(a.mean);
+  C* rstd_out = static_cast<C*>(a.rstd);
   for (int64_t row = begin; row < end; ++row) {
     const int64_t offset = row * n;
     const S* src;
@@ -361,39 +443,59 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
 
     C mean_hi = 0, mean_lo = 0;
     double var_or_ms;
-    if (a.rms) {
-      // Squares in double: rstd = 1 / sqrt(mean(x^2) + eps) is then rounded once, where tiny rows (N = 1)
-      // make the backward's 1 - xhat^2 sensitive to every rounding of it.
-      var_or_ms = row_sums<double>(n, [&](int64_t j, int64_t count) {
-                    const Vec<double> x = load_at<double>(src, j, count);
-                    return std::make_pair(x * x, Vec<double>{});
-                  }).first / static_cast<double>(n);
+    if (rms) {
+      auto squares = [&](auto compute_tag) {
+        using Q = decltype(compute_tag);
+        return row_sums<Q>(n, [&](int64_t j, int64_t count) {
+                 const Vec<Q> x = load_at<Q>(src, j, count);
+                 return std::make_pair(x * x, Vec<Q>{});
+               }).first / static_cast<double>(n);
+      };
+      // Rows of a few vectors square in double: rstd is then rounded once, and the backward of tiny rows
+      // (N = 1: dx is proportional to 1 - xhat^2) is sensitive to every rounding of it. Longer rows average
+      // the float roundings out.
+      var_or_ms = n < 4 * L ? squares(double{}) : squares(C{});
     } else {
-      const double mean = row_sums<C>(n, [&](int64_t j, int64_t count) {
-                            return std::make_pair(load_at<C>(src, j, count), Vec<C>{});
-                          }).first / static_cast<double>(n);
+      // One pass of sums about a shift (the mean of the first vector), exact when the shift is near the
+      // mean; if it is not (rarely), a second pass from cache about the mean found.
+      const int64_t head = min64(n, L);
+      const C shift = static_cast<C>(
+          horizontal_sum(widen<C>(keep_first<C>(load_at<C>(src, 0, head), head))) / static_cast<double>(head));
+      auto centered_sums = [&](C center) {
+        const Vec<C> center_v = broadcast<C>(center);
+        const auto [dev, sq] = row_sums<C>(n, [&](int64_t j, int64_t count) {
+          const Vec<C> d = load_at<C>(src, j, count) - center_v;
+          return std::make_pair(d, d * d);
+        });
+        const double dev_mean = dev / static_cast<double>(n);
+        return std::make_pair(static_cast<double>(center) + dev_mean, sq / static_cast<double>(n) - dev_mean * dev_mean);
+      };
+      auto [mean, var] = centered_sums(shift);
+      const double offset_sq = (mean - static_cast<double>(shift)) * (mean - static_cast<double>(shift));
+      if (offset_sq > kMaxShiftSq * var) std::tie(mean, var) = centered_sums(static_cast<C>(mean));
       mean_hi = static_cast<C>(mean);
       mean_lo = static_cast<C>(mean - static_cast<double>(mean_hi));
-      const Vec<C> hi = broadcast<C>(mean_hi);
-      const auto [dev, sq] = row_sums<C>(n, [&](int64_t j, int64_t count) {
-        const Vec<C> d = load_at<C>(src, j, count) - hi;
-        return std::make_pair(d, d * d);
-      });
-      const double dev_mean = dev / static_cast<double>(n);
-      var_or_ms = sq / static_cast<double>(n) - dev_mean * dev_mean;
+      var_or_ms = var;
     }
-    const C rstd = static_cast<C>(1.0 / __builtin_sqrt((var_or_ms > 0.0 ? var_or_ms : 0.0) + a.eps));
-    if (a.mean != nullptr) static_cast<C*>(a.mean)[row] = mean_hi;
-    static_cast<C*>(a.rstd)[row] = rstd;
+    const C rstd = static_cast<C>(1.0 / __builtin_sqrt((var_or_ms > 0.0 ? var_or_ms : 0.0) + eps));
+    if (mean_out != nullptr) mean_out[row] = mean_hi;
+    rstd_out[row] = rstd;
 
-    const Vec<C> hi = broadcast<C>(mean_hi), lo = broadcast<C>(mean_lo), scale = broadcast<C>(rstd);
-    for (int64_t j = 0; j < n; j += L) {
-      const int64_t count = min64(L, n - j);
-      const Vec<C> x = load_at<C>(src, j, count);
-      Vec<C> y = a.rms ? x * scale : ((x - hi) - lo) * scale;
-      if (weight != nullptr) y = y * load_at<C>(weight, j, count);
-      if (bias != nullptr) y = y + load_at<C>(bias, j, count);
-      store_at<C>(out, j, count, y);
+    const bool has_weight = weight != nullptr, has_bias = bias != nullptr;
+    if (rms) {
+      if (has_weight) {
+        normalize_row<true, true, false>(src, out, weight, bias, n, mean_hi, mean_lo, rstd);
+      } else {
+        normalize_row<true, false, false>(src, out, weight, bias, n, mean_hi, mean_lo, rstd);
+      }
+    } else if (has_weight && has_bias) {
+      normalize_row<false, true, true>(src, out, weight, bias, n, mean_hi, mean_lo, rstd);
+    } else if (has_weight) {
+      normalize_row<false, true, false>(src, out, weight, bias, n, mean_hi, mean_lo, rstd);
+    } else if (has_bias) {
+      normalize_row<false, false, true>(src, out, weight, bias, n, mean_hi, mean_lo, rstd);
+    } else {
+      normalize_row<false, false, false>(src, out, weight, bias, n, mean_hi, mean_lo, rstd);
     }
   }
 }
@@ -406,23 +508,29 @@ template <class S, class G>
 void backward_rows(const BackwardRows& a, int64_t begin, int64_t end, double* dweight, double* dbias) {
   using C = double;
   constexpr int64_t L = kLanes<C>;
+  // Every field read once: the stores below could alias `a` as far as the compiler knows.
   const int64_t n = a.cols;
   const double inv_n = 1.0 / static_cast<double>(n);
   const double* weight = a.weight;
   const double* bias = a.bias;
+  const bool rms = a.rms, saved_is_output = a.saved_is_output, stats_double = a.stats_double;
+  const S* saved_base = static_cast<const S*>(a.saved);
+  const G* dy_base = static_cast<const G*>(a.grad_out);
+  const S* grad_residual_base = static_cast<const S*>(a.grad_residual_out);
+  S* dx_base = static_cast<S*>(a.grad_input);
+  const void* rstd_base = a.rstd;
   for (int64_t row = begin; row < end; ++row) {
     const int64_t offset = row * n;
-    const S* saved = static_cast<const S*>(a.saved) + offset;
-    const G* dy = static_cast<const G*>(a.grad_out) + offset;
-    const S* grad_residual =
-        a.grad_residual_out != nullptr ? static_cast<const S*>(a.grad_residual_out) + offset : nullptr;
-    S* dx = static_cast<S*>(a.grad_input) + offset;
-    const double rstd = a.stats_double ? static_cast<const double*>(a.rstd)[row]
-                                       : static_cast<double>(static_cast<const float*>(a.rstd)[row]);
+    const S* saved = saved_base + offset;
+    const G* dy = dy_base + offset;
+    const S* grad_residual = grad_residual_base != nullptr ? grad_residual_base + offset : nullptr;
+    S* dx = dx_base + offset;
+    const double rstd = stats_double ? static_cast<const double*>(rstd_base)[row]
+                                     : static_cast<double>(static_cast<const float*>(rstd_base)[row]);
     // The mean again, in double: the float32 mean the forward returns is off by up to half an ulp of the
     // mean, which for a mean of 1e4 and a std of 1e-2 is 5% of xhat.
     double mean = 0.0;
-    if (!a.rms && !a.saved_is_output) {
+    if (!rms && !saved_is_output) {
       mean = row_sums<C>(n, [&](int64_t j, int64_t count) {
                return std::make_pair(load_at<C>(saved, j, count), Vec<C>{});
              }).first * inv_n;
@@ -430,7 +538,7 @@ void backward_rows(const BackwardRows& a, int64_t begin, int64_t end, double* dw
     const Vec<C> mean_v = broadcast<C>(mean), rstd_v = broadcast<C>(rstd);
     auto xhat_at = [&](int64_t j, int64_t count) {
       const Vec<C> x = load_at<C>(saved, j, count);
-      if (!a.saved_is_output) return (x - mean_v) * rstd_v;
+      if (!saved_is_output) return (x - mean_v) * rstd_v;
       Vec<C> centered = bias != nullptr ? x - load_at<C>(bias, j, count) : x;  // out = xhat * weight + bias
       return weight != nullptr ? centered / load_at<C>(weight, j, count) : centered;
     };
@@ -441,9 +549,8 @@ void backward_rows(const BackwardRows& a, int64_t begin, int64_t end, double* dw
       const Vec<C> g = g_at(load_at<C>(dy, j, count), j, count);
       return std::make_pair(g, g * xhat_at(j, count));
     });
-    const Vec<C> mean_g = broadcast<C>(a.rms ? 0.0 : sum_g * inv_n), mean_gx = broadcast<C>(sum_gx * inv_n);
-    for (int64_t j = 0; j < n; j += L) {
-      const int64_t count = min64(L, n - j);
+    const Vec<C> mean_g = broadcast<C>(rms ? 0.0 : sum_g * inv_n), mean_gx = broadcast<C>(sum_gx * inv_n);
+    auto step = [&](int64_t j, int64_t count) {
       const Vec<C> dy_v = load_at<C>(dy, j, count);
       const Vec<C> xhat = xhat_at(j, count);
       Vec<C> grad = (g_at(dy_v, j, count) - mean_g - xhat * mean_gx) * rstd_v;
@@ -451,7 +558,10 @@ void backward_rows(const BackwardRows& a, int64_t begin, int64_t end, double* dw
       store_at<C>(dx, j, count, grad);
       if (dweight != nullptr) store_at<C>(dweight, j, count, load_at<C>(dweight, j, count) + dy_v * xhat);
       if (dbias != nullptr) store_at<C>(dbias, j, count, load_at<C>(dbias, j, count) + dy_v);
-    }
+    };
+    int64_t j = 0;
+    for (; j + L <= n; j += L) step(j, L);
+    if (j < n) step(j, n - j);
   }
 }
 
