@@ -46,7 +46,7 @@ struct NormBackwardParams {
   const void* grad_out = nullptr;           // out_type
   const void* grad_residual_out = nullptr;  // saved_type (converted by the op body), added to grad_input
   const void* saved = nullptr;
-  const void* mean = nullptr;  // acc_type; nullptr for RMSNorm (kernels may recompute it more precisely)
+  const void* mean = nullptr;  // acc_type; nullptr for RMSNorm
   const void* rstd = nullptr;  // acc_type
   const void* weight = nullptr;
   const void* bias = nullptr;

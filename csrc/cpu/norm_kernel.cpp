@@ -1,7 +1,9 @@
 // CPU orchestration: picks the instruction set once, resolves dtypes to row kernels (rows_impl.h, compiled
 // per ISA), and spreads rows over threads with at::parallel_for.
 //
-// Forward: rows split across threads, one thread per row (rows_impl.h has the per-row passes).
+// Forward: rows split across threads, one thread per row (rows_impl.h has the per-row passes); a few long
+// rows (M = 1, N = 2^20) are instead split into column ranges, each pass over the ranges in parallel and
+// the ranges' sums added in order.
 // Backward: rows grouped into a fixed number of chunks (it depends on rows and cols only, never on the thread
 // count); each chunk adds its rows' dweight/dbias into its own double partial buffer, then the partials are
 // reduced in chunk order, parallel over columns: the same bits whatever the thread count.
@@ -11,10 +13,14 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../norm.h"
@@ -25,8 +31,16 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kParallelGrainElems = 1 << 15;  // elements per parallel task at least
-constexpr int64_t kMaxChunks = 64;                // backward partials: chunks of rows
-constexpr int64_t kMaxPartialElems = 1 << 22;     // cap on chunks * cols per partial buffer
+// A few long rows are split into column ranges across threads (decided by shape only, so the bits do not
+// depend on the thread count): rows < kSplitMaxRows with cols >= kSplitMinCols, ranges of kSegmentCols.
+constexpr int64_t kSplitMaxRows = 4;
+constexpr int64_t kSplitMinCols = 1 << 16;
+constexpr int64_t kSegmentCols = 1 << 14;
+// Backward partials: up to kMaxChunks chunks of at least kMinChunkRows rows, chunks * cols <= kMaxPartialElems
+// (each partial row is read and written once per row of its chunk, so it should stay in cache).
+constexpr int64_t kMaxChunks = 64;
+constexpr int64_t kMinChunkRows = 8;
+constexpr int64_t kMaxPartialElems = 1 << 18;
 
 // ---- instruction set ----------------------------------------------------------------------------------------
 bool cpu_has(const char* isa) {
@@ -101,10 +115,20 @@ Dtype to_dtype(ScalarType t) {
   }
 }
 
+template <typename T>
+constexpr ScalarType scalar_type_of() {
+  return std::is_same_v<T, double> ? ScalarType::Double : ScalarType::Float;
+}
+
+// The affine parameter as To values: the tensor's own memory when it has that dtype, else a converted copy in
+// a per-thread buffer that is reused (slot tells the buffers apart), so that no call page-faults on it.
 template <typename To>
-std::vector<To> param_as(const void* ptr, ScalarType type, int64_t cols) {
-  std::vector<To> v(ptr != nullptr ? cols : 0);
-  if (ptr == nullptr) return v;
+const To* param_as(const void* ptr, ScalarType type, int64_t cols, int slot) {
+  if (ptr == nullptr) return nullptr;
+  if (type == scalar_type_of<To>()) return static_cast<const To*>(ptr);
+  thread_local std::vector<To> buffers[2];
+  std::vector<To>& v = buffers[slot];
+  if (static_cast<int64_t>(v.size()) < cols) v.resize(cols);
   auto convert = [&](auto tag) {
     using From = decltype(tag);
     const From* src = static_cast<const From*>(ptr);
@@ -126,7 +150,7 @@ std::vector<To> param_as(const void* ptr, ScalarType type, int64_t cols) {
     default:
       TORCH_CHECK(false, "layernorm_ext: unsupported parameter dtype ", type);
   }
-  return v;
+  return v.data();
 }
 
 void store_param(const double* src, void* dst, ScalarType type, int64_t offset, int64_t count) {
@@ -153,10 +177,72 @@ void store_param(const double* src, void* dst, ScalarType type, int64_t offset, 
   }
 }
 
+bool split_rows(int64_t rows, int64_t cols) { return rows < kSplitMaxRows && cols >= kSplitMinCols; }
+
+// fn(range index, c0, c1) for every column range of a row, ranges in parallel.
+template <typename Fn>
+void for_each_range(int64_t cols, const Fn& fn) {
+  const int64_t ranges = (cols + kSegmentCols - 1) / kSegmentCols;
+  at::parallel_for(0, ranges, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) fn(s, s * kSegmentCols, std::min(cols, (s + 1) * kSegmentCols));
+  });
+}
+
+// Runs sums_of(c0, c1, out[K]) over the ranges of a row and adds the ranges' results in order.
+template <int K, typename Fn>
+std::array<double, K> ordered_sums(int64_t cols, const Fn& sums_of) {
+  std::vector<double> partial(K * ((cols + kSegmentCols - 1) / kSegmentCols));
+  for_each_range(cols, [&](int64_t s, int64_t c0, int64_t c1) { sums_of(c0, c1, &partial[K * s]); });
+  std::array<double, K> total{};
+  for (size_t s = 0; s < partial.size(); s += K) {
+    for (int k = 0; k < K; ++k) total[k] += partial[s + k];
+  }
+  return total;
+}
+
+template <typename C>
+void forward_split(const NormForwardParams& p, const RowKernels& k, const ForwardRows& a, Dtype src_dtype) {
+  const int64_t cols = p.cols;
+  const SegmentSumsFn sums_fn = k.segment_sums(src_dtype);
+  const SegmentNormalizeFn normalize_fn = k.segment_normalize(src_dtype, to_dtype(p.input_type));
+  TORCH_CHECK(sums_fn != nullptr && normalize_fn != nullptr, "layernorm_ext: no CPU kernel for split rows");
+  const void* src = p.residual != nullptr ? p.residual_out : p.input;
+  for (int64_t row = 0; row < p.rows; ++row) {
+    const int64_t offset = row * cols;
+    if (p.residual != nullptr) {
+      for_each_range(cols, [&](int64_t, int64_t c0, int64_t c1) {
+        a.add_row(p.input, p.residual, p.residual_out, offset + c0, c1 - c0);
+      });
+    }
+    auto sums_about = [&](double center) {
+      return ordered_sums<2>(cols, [&](int64_t c0, int64_t c1, double* out) {
+        sums_fn(src, offset + c0, offset + c1, center, out);
+      });
+    };
+    double mean = 0.0, var_or_ms;
+    if (p.rms) {
+      var_or_ms = sums_about(0.0)[1] / static_cast<double>(cols);
+    } else {
+      // Two passes: the mean, then the centered sums about it (corrected two-pass variance).
+      const C center = static_cast<C>(sums_about(0.0)[0] / static_cast<double>(cols));
+      const auto [dev, sq] = sums_about(static_cast<double>(center));
+      const double dev_mean = dev / static_cast<double>(cols);
+      var_or_ms = sq / static_cast<double>(cols) - dev_mean * dev_mean;
+      mean = static_cast<double>(center) + dev_mean;
+    }
+    const C rstd = static_cast<C>(1.0 / std::sqrt(std::max(var_or_ms, 0.0) + p.eps));
+    if (p.mean != nullptr) static_cast<C*>(p.mean)[row] = static_cast<C>(mean);
+    static_cast<C*>(p.rstd)[row] = rstd;
+    for_each_range(cols, [&](int64_t, int64_t c0, int64_t c1) {
+      normalize_fn(a, row, c0, c1, mean, static_cast<double>(rstd));
+    });
+  }
+}
+
 template <typename C>
 void forward_with(const NormForwardParams& p, const RowKernels& k) {
-  const std::vector<C> weight = param_as<C>(p.weight, p.weight_type, p.cols);
-  const std::vector<C> bias = param_as<C>(p.bias, p.weight_type, p.cols);
+  const C* weight = param_as<C>(p.weight, p.weight_type, p.cols, 0);
+  const C* bias = param_as<C>(p.bias, p.weight_type, p.cols, 1);
   const Dtype src = to_dtype(p.residual != nullptr ? p.h_type : p.input_type);
   const ForwardRowsFn rows_fn = k.forward_rows(src, to_dtype(p.input_type));
   TORCH_CHECK(rows_fn != nullptr, "layernorm_ext: no CPU kernel for rows of ", p.h_type, " and output ",
@@ -171,13 +257,17 @@ void forward_with(const NormForwardParams& p, const RowKernels& k) {
                 p.residual_type, " into ", p.h_type);
   }
   a.out = p.out;
-  a.weight = weight.empty() ? nullptr : weight.data();
-  a.bias = bias.empty() ? nullptr : bias.data();
+  a.weight = weight;
+  a.bias = bias;
   a.mean = p.mean;
   a.rstd = p.rstd;
   a.cols = p.cols;
   a.eps = p.eps;
   a.rms = p.rms;
+  if (split_rows(p.rows, p.cols)) {
+    forward_split<C>(p, k, a, src);
+    return;
+  }
   const int64_t grain = std::max<int64_t>(1, kParallelGrainElems / p.cols);
   at::parallel_for(0, p.rows, grain, [&](int64_t begin, int64_t end) { rows_fn(a, begin, end); });
 }
@@ -213,56 +303,98 @@ void forward(const NormForwardParams& p) {
   }
 }
 
-void backward(const NormBackwardParams& p) {
-  const RowKernels& k = kernels();
+namespace {
+
+// dweight / dbias: each chunk of rows adds into its own partial row of P (the row kernels' compute type),
+// then the chunks are summed in order, in double, parallel over columns.
+template <typename P>
+void backward_with(const NormBackwardParams& p, const RowKernels& k, const BackwardRows& a) {
   const int64_t rows = p.rows;
   const int64_t cols = p.cols;
-  const std::vector<double> weight = param_as<double>(p.weight, p.weight_type, cols);
-  const std::vector<double> bias = param_as<double>(p.bias, p.weight_type, cols);
-  const BackwardRowsFn rows_fn = k.backward_rows(to_dtype(p.saved_type), to_dtype(p.out_type));
-  TORCH_CHECK(rows_fn != nullptr, "layernorm_ext: no CPU backward kernel for ", p.saved_type, " rows and ",
-              p.out_type, " gradients");
-  BackwardRows a{};
-  a.grad_out = p.grad_out;
-  a.grad_residual_out = p.grad_residual_out;
-  a.saved = p.saved;
-  a.rstd = p.rstd;
-  a.weight = weight.empty() ? nullptr : weight.data();
-  a.bias = bias.empty() ? nullptr : bias.data();
-  a.grad_input = p.grad_input;
-  a.cols = cols;
-  a.rms = p.rms;
-  a.saved_is_output = p.saved_is_output;
-  a.stats_double = p.acc_type == ScalarType::Double;
-
-  const int64_t chunks_wanted = std::clamp<int64_t>(std::min(kMaxChunks, kMaxPartialElems / cols), 1, rows);
+  const Dtype saved = to_dtype(p.saved_type), grad = to_dtype(p.out_type);
+  const int64_t chunks_wanted =
+      std::clamp<int64_t>(std::min({kMaxChunks, rows / kMinChunkRows, kMaxPartialElems / cols}), 1, rows);
   const int64_t chunk_rows = (rows + chunks_wanted - 1) / chunks_wanted;
   const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
-  const bool want_dweight = p.grad_weight != nullptr;
-  const bool want_dbias = p.grad_bias != nullptr;
-  std::vector<double> dweight_partial(want_dweight ? chunks * cols : 0);
-  std::vector<double> dbias_partial(want_dbias ? chunks * cols : 0);
+  // Reused across calls (per calling thread): a fresh multi-megabyte buffer would page-fault on every call.
+  thread_local std::vector<P> dweight_scratch, dbias_scratch;
+  auto zeroed = [](std::vector<P>& scratch, int64_t size) {
+    if (static_cast<int64_t>(scratch.size()) < size) scratch.resize(size);
+    std::fill(scratch.begin(), scratch.begin() + size, P(0));
+    return scratch.data();
+  };
+  P* dweight_partial = p.grad_weight != nullptr ? zeroed(dweight_scratch, chunks * cols) : nullptr;
+  P* dbias_partial = p.grad_bias != nullptr ? zeroed(dbias_scratch, chunks * cols) : nullptr;
+  auto partial_of = [&](P* partial, int64_t chunk) { return partial == nullptr ? nullptr : partial + chunk * cols; };
 
-  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-      rows_fn(a, c * chunk_rows, std::min(rows, (c + 1) * chunk_rows),
-              want_dweight ? dweight_partial.data() + c * cols : nullptr,
-              want_dbias ? dbias_partial.data() + c * cols : nullptr);
+  if (split_rows(rows, cols)) {
+    // A few long rows: each row's passes run over column ranges in parallel (ranges write disjoint columns).
+    const BackwardSegmentSumsFn sums_fn = k.backward_segment_sums(saved, grad);
+    const BackwardSegmentApplyFn apply_fn = k.backward_segment_apply(saved, grad);
+    for (int64_t row = 0; row < rows; ++row) {
+      P* dweight = partial_of(dweight_partial, row / chunk_rows);
+      P* dbias = partial_of(dbias_partial, row / chunk_rows);
+      const std::array<double, 3> sums = ordered_sums<3>(
+          cols, [&](int64_t c0, int64_t c1, double* out) { sums_fn(a, row, c0, c1, out); });
+      for_each_range(cols, [&](int64_t, int64_t c0, int64_t c1) {
+        apply_fn(a, row, c0, c1, sums.data(), dweight, dbias);
+      });
     }
-  });
+  } else {
+    const BackwardRowsFn rows_fn = k.backward_rows(saved, grad);
+    at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+      for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+        rows_fn(a, c * chunk_rows, std::min(rows, (c + 1) * chunk_rows), partial_of(dweight_partial, c),
+                partial_of(dbias_partial, c));
+      }
+    });
+  }
 
-  auto reduce = [&](const std::vector<double>& partial, void* dst) {
+  auto reduce = [&](const P* partial, void* dst) {
     at::parallel_for(0, cols, 4096, [&](int64_t begin, int64_t end) {
-      std::vector<double> sum(partial.begin() + begin, partial.begin() + end);
-      for (int64_t c = 1; c < chunks; ++c) {
-        const double* src = partial.data() + c * cols;
-        for (int64_t j = begin; j < end; ++j) sum[j - begin] += src[j];
+      std::vector<double> sum(end - begin, 0.0);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const P* src = partial + c * cols;
+        for (int64_t j = begin; j < end; ++j) sum[j - begin] += static_cast<double>(src[j]);
       }
       store_param(sum.data(), dst, p.weight_type, begin, end - begin);
     });
   };
-  if (want_dweight) reduce(dweight_partial, p.grad_weight);
-  if (want_dbias) reduce(dbias_partial, p.grad_bias);
+  if (dweight_partial != nullptr) reduce(dweight_partial, p.grad_weight);
+  if (dbias_partial != nullptr) reduce(dbias_partial, p.grad_bias);
+}
+
+}  // namespace
+
+void backward(const NormBackwardParams& p) {
+  const RowKernels& k = kernels();
+  TORCH_CHECK(k.backward_rows(to_dtype(p.saved_type), to_dtype(p.out_type)) != nullptr,
+              "layernorm_ext: no CPU backward kernel for ", p.saved_type, " rows and ", p.out_type, " gradients");
+  const bool float_math = backward_computes_in_float(p.saved_type == ScalarType::Double,
+                                                     p.out_type == ScalarType::Double, p.cols);
+  BackwardRows a{};
+  a.grad_out = p.grad_out;
+  a.grad_residual_out = p.grad_residual_out;
+  a.saved = p.saved;
+  a.mean = p.mean;
+  a.rstd = p.rstd;
+  if (float_math) {
+    a.weight_f = param_as<float>(p.weight, p.weight_type, p.cols, 0);
+    a.bias_f = param_as<float>(p.bias, p.weight_type, p.cols, 1);
+  } else {
+    a.weight = param_as<double>(p.weight, p.weight_type, p.cols, 0);
+    a.bias = param_as<double>(p.bias, p.weight_type, p.cols, 1);
+  }
+  a.grad_input = p.grad_input;
+  a.cols = p.cols;
+  a.rms = p.rms;
+  a.saved_is_output = p.saved_is_output;
+  a.stats_double = p.acc_type == ScalarType::Double;
+  if (float_math) {
+    backward_with<float>(p, k, a);
+  } else {
+    backward_with<double>(p, k, a);
+  }
 }
 
 }  // namespace cpu

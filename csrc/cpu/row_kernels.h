@@ -35,21 +35,42 @@ struct ForwardRows {
 using ForwardRowsFn = void (*)(const ForwardRows& a, int64_t begin, int64_t end);
 
 // Backward over rows [begin, end): grad_input rows, and the rows' dweight / dbias contributions added into
-// the double partial sums given (nullptr: not wanted). Math in double. weight/bias: double, or nullptr.
+// the partial sums given (nullptr: not wanted). The row math, the partial sums and weight/bias are float, or
+// double when backward_computes_in_float says no (float64 data; rows of a few vectors, whose gradient
+// cancels too much for float: for N = 1 it is proportional to 1 - xhat^2).
+constexpr int64_t kFloatBackwardMinCols = 64;
+constexpr bool backward_computes_in_float(bool saved_is_double, bool grad_is_double, int64_t cols) {
+  return !saved_is_double && !grad_is_double && cols >= kFloatBackwardMinCols;
+}
+
 struct BackwardRows {
   const void* grad_out;
   const void* grad_residual_out;  // saved's dtype; nullptr if none
   const void* saved;              // h, or the forward's out when saved_is_output
-  const void* rstd;               // float, or double for float64 saved
-  const double* weight;
+  const void* mean;               // the forward's, float (double for float64 saved); unused for RMSNorm
+  const void* rstd;
+  const double* weight;  // when the math is double
   const double* bias;
+  const float* weight_f;  // when the math is float
+  const float* bias_f;
   void* grad_input;  // saved's dtype
   int64_t cols;
   bool rms;
   bool saved_is_output;
   bool stats_double;
 };
-using BackwardRowsFn = void (*)(const BackwardRows& a, int64_t begin, int64_t end, double* dweight, double* dbias);
+using BackwardRowsFn = void (*)(const BackwardRows& a, int64_t begin, int64_t end, void* dweight, void* dbias);
+
+// One long row split into column ranges [c0, c1) across threads; the orchestration adds the ranges' sums in
+// order. Forward: sums about center over src elements [begin, end): {sum(x - c), sum((x - c)^2)}; then
+// normalize a range given the row's mean and rstd. Backward: the range's three sums (rows_impl.h,
+// BackwardRow); then, given the whole row's sums, dx and the dweight/dbias terms (indexed by column).
+using SegmentSumsFn = void (*)(const void* src, int64_t begin, int64_t end, double center, double* sums);
+using SegmentNormalizeFn = void (*)(const ForwardRows& a, int64_t row, int64_t c0, int64_t c1, double mean,
+                                    double rstd);
+using BackwardSegmentSumsFn = void (*)(const BackwardRows& a, int64_t row, int64_t c0, int64_t c1, double* sums3);
+using BackwardSegmentApplyFn = void (*)(const BackwardRows& a, int64_t row, int64_t c0, int64_t c1,
+                                        const double* row_sums3, void* dweight, void* dbias);
 
 // One instruction set's kernels. Lookups return nullptr for dtype pairs no kernel exists for.
 struct RowKernels {
@@ -57,6 +78,10 @@ struct RowKernels {
   AddRowFn (*add_row)(Dtype x, Dtype r, Dtype h);
   ForwardRowsFn (*forward_rows)(Dtype src, Dtype out);
   BackwardRowsFn (*backward_rows)(Dtype saved, Dtype grad_out);
+  SegmentSumsFn (*segment_sums)(Dtype src);
+  SegmentNormalizeFn (*segment_normalize)(Dtype src, Dtype out);
+  BackwardSegmentSumsFn (*backward_segment_sums)(Dtype saved, Dtype grad_out);
+  BackwardSegmentApplyFn (*backward_segment_apply)(Dtype saved, Dtype grad_out);
 };
 
 const RowKernels& portable_row_kernels();

@@ -8,14 +8,17 @@
 // Vectors are GCC vector extensions of LNX_FLOAT_LANES * 4 bytes, so the target pragma of the including file
 // picks the instructions; the bfloat16/float16 conversions use intrinsics (x86-64 only: SSE2 at least).
 //
-// Mapping: the caller hands each thread a range of rows; a row is handled by one thread, front to back, in
-// vectors of the compute type (float; double for float64 rows and in the whole backward).
-// Forward, per row: pass 1 reads the row from memory (LayerNorm: sum; RMSNorm: sum of squares); LayerNorm's
-// pass 2 re-reads it from cache for the centered sums (corrected two-pass variance about mean = hi + lo, two
-// floats, so that mean-1e4 / std-1e-2 rows stay exact); the last pass normalizes and stores. Backward, per
-// row, in double: the mean again (LayerNorm), then sum(g) and sum(g * xhat), then dx and the row's
-// dweight / dbias contributions. Registers hold two vector accumulators per sum; float sums are flushed into
-// a double every kFlushVectors vectors.
+// Mapping: the caller hands each thread a range of rows (or, for a few very long rows, column ranges of one
+// row); a row is handled by one thread, front to back, in vectors of the compute type (float; double for
+// float64 rows, and in the backward of rows shorter than kFloatBackwardMinCols).
+// Forward, per row: one pass from memory sums (x - s) and (x - s)^2 about a shift s, the mean of the first
+// vector (RMSNorm: x^2); only if s turns out far from the mean (rarely) a second pass from cache sums about
+// the mean. The mean is kept as hi + lo (two floats) so that mean-1e4 / std-1e-2 rows stay exact; the last
+// pass re-reads the row from cache, normalizes and stores. Backward, per group of kRowGroup rows: each row's
+// sums of g, g * d and d (d = x - the forward's mean, g = dy * weight) from memory, then dx and the
+// dweight / dbias terms column block by column block from cache.
+// Registers hold two vector accumulators per sum; float sums are flushed into double vectors every
+// kFlushVectors vectors and the lanes added at the end of the row.
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -343,39 +346,49 @@ inline Vec<double> widen(Vec<C> v) {
   }
 }
 
-// Sums over a row of n elements of the vector terms term(j, count) -> {Vec<C>, Vec<C>}: two accumulators
-// per sum, flushed into double vectors every kFlushVectors vectors; the tail's padding lanes are masked off.
-template <class C, class Term>
-inline std::pair<double, double> row_sums(int64_t n, Term term) {
+// K sums over a row of n elements of the vector terms term(j, count) -> std::array<Vec<C>, K>: two
+// accumulators per sum, flushed into double vectors every kFlushVectors vectors; the tail's padding lanes
+// are masked off.
+template <class C, int K, class Term>
+inline std::array<double, K> row_sums_k(int64_t n, Term term) {
   constexpr int64_t L = kLanes<C>;
   const int64_t full = n - n % L;
-  Vec<double> total_a = {}, total_b = {};
+  std::array<Vec<double>, K> total = {};
   for (int64_t start = 0; start < full; start += kFlushVectors * L) {
     const int64_t stop = min64(full, start + kFlushVectors * L);
-    Vec<C> a0 = {}, a1 = {}, b0 = {}, b1 = {};
+    std::array<Vec<C>, K> acc0 = {}, acc1 = {};
     int64_t j = start;
     for (; j + 2 * L <= stop; j += 2 * L) {
-      const auto t0 = term(j, L);
-      const auto t1 = term(j + L, L);
-      a0 += t0.first;
-      b0 += t0.second;
-      a1 += t1.first;
-      b1 += t1.second;
+      const std::array<Vec<C>, K> t0 = term(j, L);
+      const std::array<Vec<C>, K> t1 = term(j + L, L);
+      for (int k = 0; k < K; ++k) {
+        acc0[k] += t0[k];
+        acc1[k] += t1[k];
+      }
     }
     if (j < stop) {
-      const auto t0 = term(j, L);
-      a0 += t0.first;
-      b0 += t0.second;
+      const std::array<Vec<C>, K> t0 = term(j, L);
+      for (int k = 0; k < K; ++k) acc0[k] += t0[k];
     }
-    total_a += widen<C>(a0 + a1);
-    total_b += widen<C>(b0 + b1);
+    for (int k = 0; k < K; ++k) total[k] += widen<C>(acc0[k] + acc1[k]);
   }
   if (full < n) {
-    const auto t = term(full, n - full);
-    total_a += widen<C>(keep_first<C>(t.first, n - full));
-    total_b += widen<C>(keep_first<C>(t.second, n - full));
+    const std::array<Vec<C>, K> t = term(full, n - full);
+    for (int k = 0; k < K; ++k) total[k] += widen<C>(keep_first<C>(t[k], n - full));
   }
-  return {horizontal_sum(total_a), horizontal_sum(total_b)};
+  std::array<double, K> out;
+  for (int k = 0; k < K; ++k) out[k] = horizontal_sum(total[k]);
+  return out;
+}
+
+// Two sums: term(j, count) -> {Vec<C>, Vec<C>}.
+template <class C, class Term>
+inline std::pair<double, double> row_sums(int64_t n, Term term) {
+  const auto sums = row_sums_k<C, 2>(n, [&](int64_t j, int64_t count) {
+    const auto t = term(j, count);
+    return std::array<Vec<C>, 2>{t.first, t.second};
+  });
+  return {sums[0], sums[1]};
 }
 
 template <class T>
@@ -504,65 +517,235 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
 // With xhat the normalized row and g = dy * weight:
 //   LayerNorm: dx = rstd * (g - mean(g) - xhat * mean(g * xhat));  RMSNorm: dx = rstd * (g - xhat * mean(g * xhat))
 //   dweight += dy * xhat, dbias += dy.
-template <class S, class G>
-void backward_rows(const BackwardRows& a, int64_t begin, int64_t end, double* dweight, double* dbias) {
-  using C = double;
-  constexpr int64_t L = kLanes<C>;
-  // Every field read once: the stores below could alias `a` as far as the compiler knows.
-  const int64_t n = a.cols;
-  const double inv_n = 1.0 / static_cast<double>(n);
-  const double* weight = a.weight;
-  const double* bias = a.bias;
-  const bool rms = a.rms, saved_is_output = a.saved_is_output, stats_double = a.stats_double;
-  const S* saved_base = static_cast<const S*>(a.saved);
-  const G* dy_base = static_cast<const G*>(a.grad_out);
-  const S* grad_residual_base = static_cast<const S*>(a.grad_residual_out);
-  S* dx_base = static_cast<S*>(a.grad_input);
-  const void* rstd_base = a.rstd;
-  for (int64_t row = begin; row < end; ++row) {
-    const int64_t offset = row * n;
-    const S* saved = saved_base + offset;
-    const G* dy = dy_base + offset;
-    const S* grad_residual = grad_residual_base != nullptr ? grad_residual_base + offset : nullptr;
-    S* dx = dx_base + offset;
-    const double rstd = stats_double ? static_cast<const double*>(rstd_base)[row]
-                                     : static_cast<double>(static_cast<const float*>(rstd_base)[row]);
-    // The mean again, in double: the float32 mean the forward returns is off by up to half an ulp of the
-    // mean, which for a mean of 1e4 and a std of 1e-2 is 5% of xhat.
-    double mean = 0.0;
-    if (!rms && !saved_is_output) {
-      mean = row_sums<C>(n, [&](int64_t j, int64_t count) {
-               return std::make_pair(load_at<C>(saved, j, count), Vec<C>{});
-             }).first * inv_n;
-    }
-    const Vec<C> mean_v = broadcast<C>(mean), rstd_v = broadcast<C>(rstd);
-    auto xhat_at = [&](int64_t j, int64_t count) {
-      const Vec<C> x = load_at<C>(saved, j, count);
-      if (!saved_is_output) return (x - mean_v) * rstd_v;
-      Vec<C> centered = bias != nullptr ? x - load_at<C>(bias, j, count) : x;  // out = xhat * weight + bias
-      return weight != nullptr ? centered / load_at<C>(weight, j, count) : centered;
-    };
-    auto g_at = [&](const Vec<C>& dy_v, int64_t j, int64_t count) {
-      return weight != nullptr ? dy_v * load_at<C>(weight, j, count) : dy_v;
-    };
-    const auto [sum_g, sum_gx] = row_sums<C>(n, [&](int64_t j, int64_t count) {
-      const Vec<C> g = g_at(load_at<C>(dy, j, count), j, count);
-      return std::make_pair(g, g * xhat_at(j, count));
+// dst[0, count) += v (count <= lanes of C).
+template <class C>
+inline void add_into(C* dst, int64_t count, Vec<C> v) {
+  store_at<C>(dst, 0, count, load_at<C>(dst, 0, count) + v);
+}
+
+// One row's backward over a range of its columns [c0, c1), so that the orchestration can also split a long
+// row across threads (the sums of the ranges are then added in order). C is the compute type: float, or
+// double for float64 rows and for rows of a few vectors, whose gradient (for N = 1 it is proportional to
+// 1 - xhat^2) cancels too much for float.
+// xhat comes from the forward's mean m (as stored) and a correction: with d = x - m, exact near the mean,
+// delta = mean(d) and xhat = (d - delta) * rstd, so sum(g * xhat) = rstd * (sum(g * d) - delta * sum(g)).
+// In memory-efficient mode xhat = (out - bias) / weight.
+template <class S, class G, class C>
+struct BackwardRow {
+  static constexpr int64_t L = kLanes<C>;
+  const C* weight;
+  const C* bias;
+  const S* saved;
+  const G* dy;
+  const S* grad_residual;
+  S* dx;
+  double rstd;
+  double center;  // the stored mean for LayerNorm from the input; 0 otherwise
+  bool saved_is_output;
+
+  BackwardRow(const BackwardRows& a, int64_t row, const C* weight_c, const C* bias_c)
+      : weight(weight_c),
+        bias(bias_c),
+        saved(static_cast<const S*>(a.saved) + row * a.cols),
+        dy(static_cast<const G*>(a.grad_out) + row * a.cols),
+        grad_residual(a.grad_residual_out != nullptr ? static_cast<const S*>(a.grad_residual_out) + row * a.cols
+                                                     : nullptr),
+        dx(static_cast<S*>(a.grad_input) + row * a.cols),
+        rstd(stat(a.rstd, a.stats_double, row)),
+        center(a.rms || a.saved_is_output ? 0.0 : stat(a.mean, a.stats_double, row)),
+        saved_is_output(a.saved_is_output) {}
+
+  static double stat(const void* values, bool is_double, int64_t row) {
+    return is_double ? static_cast<const double*>(values)[row]
+                     : static_cast<double>(static_cast<const float*>(values)[row]);
+  }
+
+  // d = saved - center, or (memory-efficient) xhat itself.
+  Vec<C> centered_at(int64_t j, int64_t count, const Vec<C>& center_v) const {
+    const Vec<C> x = load_at<C>(saved, j, count);
+    if (!saved_is_output) return x - center_v;
+    const Vec<C> shifted = bias != nullptr ? x - load_at<C>(bias, j, count) : x;  // out = xhat * weight + bias
+    return weight != nullptr ? shifted / load_at<C>(weight, j, count) : shifted;
+  }
+
+  Vec<C> g_at(const Vec<C>& dy_v, int64_t j, int64_t count) const {
+    return weight != nullptr ? dy_v * load_at<C>(weight, j, count) : dy_v;
+  }
+
+  // {sum of g, sum of g * d, sum of d} over [c0, c1).
+  std::array<double, 3> sums(int64_t c0, int64_t c1) const {
+    const Vec<C> center_v = broadcast<C>(static_cast<C>(center));
+    return row_sums_k<C, 3>(c1 - c0, [&](int64_t j, int64_t count) {
+      const Vec<C> g = g_at(load_at<C>(dy, c0 + j, count), c0 + j, count);
+      const Vec<C> d = centered_at(c0 + j, count, center_v);
+      return std::array<Vec<C>, 3>{g, g * d, d};
     });
-    const Vec<C> mean_g = broadcast<C>(rms ? 0.0 : sum_g * inv_n), mean_gx = broadcast<C>(sum_gx * inv_n);
+  }
+
+  // dx over [c0, c1), and dweight / dbias (indexed by column) += this row's terms. delta = mean(d) (0 in
+  // memory-efficient mode and for RMSNorm), mean_g = mean(g) (0 for RMSNorm), mean_gx = mean(g * xhat).
+  void apply(int64_t c0, int64_t c1, double delta, double mean_g, double mean_gx, C* dweight, C* dbias) const {
+    const Vec<C> center_v = broadcast<C>(static_cast<C>(center)), delta_v = broadcast<C>(static_cast<C>(delta));
+    const Vec<C> rstd_v = broadcast<C>(static_cast<C>(saved_is_output ? 1.0 : rstd));
+    const Vec<C> grad_scale = broadcast<C>(static_cast<C>(rstd));
+    const Vec<C> mean_g_v = broadcast<C>(static_cast<C>(mean_g)), mean_gx_v = broadcast<C>(static_cast<C>(mean_gx));
     auto step = [&](int64_t j, int64_t count) {
       const Vec<C> dy_v = load_at<C>(dy, j, count);
-      const Vec<C> xhat = xhat_at(j, count);
-      Vec<C> grad = (g_at(dy_v, j, count) - mean_g - xhat * mean_gx) * rstd_v;
+      const Vec<C> xhat = (centered_at(j, count, center_v) - delta_v) * rstd_v;
+      Vec<C> grad = (g_at(dy_v, j, count) - mean_g_v - xhat * mean_gx_v) * grad_scale;
       if (grad_residual != nullptr) grad = grad + load_at<C>(grad_residual, j, count);
       store_at<C>(dx, j, count, grad);
-      if (dweight != nullptr) store_at<C>(dweight, j, count, load_at<C>(dweight, j, count) + dy_v * xhat);
-      if (dbias != nullptr) store_at<C>(dbias, j, count, load_at<C>(dbias, j, count) + dy_v);
+      if (dweight != nullptr) add_into<C>(dweight + j, count, dy_v * xhat);
+      if (dbias != nullptr) add_into<C>(dbias + j, count, dy_v);
     };
-    int64_t j = 0;
-    for (; j + L <= n; j += L) step(j, L);
-    if (j < n) step(j, n - j);
+    int64_t j = c0;
+    for (; j + L <= c1; j += L) step(j, L);
+    if (j < c1) step(j, c1 - j);
   }
+};
+
+// The row's coefficients from its sums {sum g, sum g * d, sum d} (see BackwardRow).
+struct BackwardCoefficients {
+  double delta, mean_g, mean_gx;
+};
+
+inline BackwardCoefficients backward_coefficients(const BackwardRows& a, double rstd, const std::array<double, 3>& s) {
+  const double inv_n = 1.0 / static_cast<double>(a.cols);
+  const double delta = (a.rms || a.saved_is_output) ? 0.0 : s[2] * inv_n;
+  // sum(g * xhat) = rstd * (sum(g * d) - delta * sum(g)); in memory-efficient mode d is xhat itself.
+  const double sum_gx = a.saved_is_output ? s[1] : rstd * (s[1] - delta * s[0]);
+  return {delta, a.rms ? 0.0 : s[0] * inv_n, sum_gx * inv_n};
+}
+
+template <class C>
+const C* param_as(const BackwardRows& a, bool bias) {
+  if constexpr (std::is_same_v<C, double>) {
+    return bias ? a.bias : a.weight;
+  } else {
+    return bias ? a.bias_f : a.weight_f;
+  }
+}
+
+// Float math unless backward_computes_in_float (row_kernels.h) says no.
+template <class S, class G>
+constexpr bool kFloatCapable = !std::is_same_v<S, double> && !std::is_same_v<G, double>;
+
+template <class S, class G>
+bool use_float(int64_t cols) {
+  return backward_computes_in_float(std::is_same_v<S, double>, std::is_same_v<G, double>, cols);
+}
+
+// Rows in groups of kRowGroup: first each row's sums (reading it from memory), then dx and dweight/dbias
+// column block by column block across the group's rows (re-read from L2), so that a block of the partial
+// sums stays in L1 while the group's rows add into it.
+constexpr int64_t kRowGroup = 8;
+constexpr int64_t kColumnBlock = 2048;
+
+template <class S, class G, class C>
+void backward_rows_as(const BackwardRows& a, int64_t begin, int64_t end, C* dweight, C* dbias) {
+  const C* weight = param_as<C>(a, false);
+  const C* bias = param_as<C>(a, true);
+  const int64_t n = a.cols;
+  for (int64_t first = begin; first < end; first += kRowGroup) {
+    const int64_t count = min64(kRowGroup, end - first);
+    BackwardCoefficients coefficients[kRowGroup];
+    for (int64_t i = 0; i < count; ++i) {
+      const BackwardRow<S, G, C> r(a, first + i, weight, bias);
+      coefficients[i] = backward_coefficients(a, r.rstd, r.sums(0, n));
+    }
+    for (int64_t c0 = 0; c0 < n; c0 += kColumnBlock) {
+      const int64_t c1 = min64(n, c0 + kColumnBlock);
+      for (int64_t i = 0; i < count; ++i) {
+        const BackwardCoefficients& k = coefficients[i];
+        BackwardRow<S, G, C>(a, first + i, weight, bias).apply(c0, c1, k.delta, k.mean_g, k.mean_gx, dweight, dbias);
+      }
+    }
+  }
+}
+
+template <class S, class G>
+void backward_rows(const BackwardRows& a, int64_t begin, int64_t end, void* dweight, void* dbias) {
+  if constexpr (kFloatCapable<S, G>) {
+    if (use_float<S, G>(a.cols)) {
+      return backward_rows_as<S, G, float>(a, begin, end, static_cast<float*>(dweight), static_cast<float*>(dbias));
+    }
+  }
+  backward_rows_as<S, G, double>(a, begin, end, static_cast<double*>(dweight), static_cast<double*>(dbias));
+}
+
+// ---- one long row split into column ranges across threads ---------------------------------------------------
+// Forward: sums about center over src[begin, end): {sum(x - center), sum((x - center)^2)}.
+template <class S>
+void segment_sums(const void* src, int64_t begin, int64_t end, double center, double* out) {
+  using C = ComputeOf<S>;
+  const S* x = static_cast<const S*>(src) + begin;
+  const Vec<C> center_v = broadcast<C>(static_cast<C>(center));
+  const auto [dev, sq] = row_sums<C>(end - begin, [&](int64_t j, int64_t count) {
+    const Vec<C> d = load_at<C>(x, j, count) - center_v;
+    return std::make_pair(d, d * d);
+  });
+  out[0] = dev;
+  out[1] = sq;
+}
+
+// Forward: normalize columns [c0, c1) of one row, given its mean and rstd.
+template <class S, class Y>
+void segment_normalize(const ForwardRows& a, int64_t row, int64_t c0, int64_t c1, double mean, double rstd) {
+  using C = ComputeOf<S>;
+  const int64_t offset = row * a.cols + c0;
+  const S* src = static_cast<const S*>(a.residual != nullptr ? a.residual_out : a.input) + offset;
+  Y* out = static_cast<Y*>(a.out) + offset;
+  const C* weight = a.weight != nullptr ? static_cast<const C*>(a.weight) + c0 : nullptr;
+  const C* bias = a.bias != nullptr ? static_cast<const C*>(a.bias) + c0 : nullptr;
+  const C hi = static_cast<C>(mean), lo = static_cast<C>(mean - static_cast<double>(hi));
+  const C scale = static_cast<C>(rstd);
+  const int64_t n = c1 - c0;
+  if (a.rms) {
+    if (weight != nullptr) {
+      normalize_row<true, true, false>(src, out, weight, bias, n, hi, lo, scale);
+    } else {
+      normalize_row<true, false, false>(src, out, weight, bias, n, hi, lo, scale);
+    }
+  } else if (weight != nullptr && bias != nullptr) {
+    normalize_row<false, true, true>(src, out, weight, bias, n, hi, lo, scale);
+  } else if (weight != nullptr) {
+    normalize_row<false, true, false>(src, out, weight, bias, n, hi, lo, scale);
+  } else if (bias != nullptr) {
+    normalize_row<false, false, true>(src, out, weight, bias, n, hi, lo, scale);
+  } else {
+    normalize_row<false, false, false>(src, out, weight, bias, n, hi, lo, scale);
+  }
+}
+
+// Backward over columns [c0, c1) of one row: the three sums, then (given the whole row's sums) dx and the
+// dweight / dbias terms.
+template <class S, class G>
+void backward_segment_sums(const BackwardRows& a, int64_t row, int64_t c0, int64_t c1, double* out) {
+  auto run = [&](auto compute_tag) {
+    using C = decltype(compute_tag);
+    const std::array<double, 3> s =
+        BackwardRow<S, G, C>(a, row, param_as<C>(a, false), param_as<C>(a, true)).sums(c0, c1);
+    for (int k = 0; k < 3; ++k) out[k] = s[k];
+  };
+  if constexpr (kFloatCapable<S, G>) {
+    if (use_float<S, G>(a.cols)) return run(float{});
+  }
+  run(double{});
+}
+
+template <class S, class G>
+void backward_segment_apply(const BackwardRows& a, int64_t row, int64_t c0, int64_t c1, const double* row_sums3,
+                            void* dweight, void* dbias) {
+  auto run = [&](auto compute_tag) {
+    using C = decltype(compute_tag);
+    const BackwardRow<S, G, C> r(a, row, param_as<C>(a, false), param_as<C>(a, true));
+    const BackwardCoefficients k = backward_coefficients(a, r.rstd, {row_sums3[0], row_sums3[1], row_sums3[2]});
+    r.apply(c0, c1, k.delta, k.mean_g, k.mean_gx, static_cast<C*>(dweight), static_cast<C*>(dbias));
+  };
+  if constexpr (kFloatCapable<S, G>) {
+    if (use_float<S, G>(a.cols)) return run(float{});
+  }
+  run(double{});
 }
 
 // ---- lookup tables over the dtype enum (f32, f64, bf16, f16) ------------------------------------------------
@@ -580,48 +763,94 @@ constexpr AddRowFn add_entry() {
   }
 }
 
-template <int S, int Y>
-constexpr ForwardRowsFn forward_entry() {
-  if constexpr (Y == 1 && S != 1) {  // float64 output only from float64 rows
-    return nullptr;
-  } else {
-    return &forward_rows<TypeAt<S>, TypeAt<Y>>;
-  }
-}
-
 template <size_t... I>
 constexpr auto make_add_table(std::index_sequence<I...>) {
   return std::array<AddRowFn, sizeof...(I)>{add_entry<I / 16, (I / 4) % 4, I % 4>()...};
 }
-template <size_t... I>
-constexpr auto make_forward_table(std::index_sequence<I...>) {
-  return std::array<ForwardRowsFn, sizeof...(I)>{forward_entry<I / 4, I % 4>()...};
-}
-template <size_t... I>
-constexpr auto make_backward_table(std::index_sequence<I...>) {
-  return std::array<BackwardRowsFn, sizeof...(I)>{&backward_rows<TypeAt<I / 4>, TypeAt<I % 4>>...};
+
+template <template <int, int> class Entry, size_t... I>
+constexpr auto make_pair_table(std::index_sequence<I...>) {
+  return std::array<decltype(Entry<0, 0>::value), sizeof...(I)>{Entry<I / 4, I % 4>::value...};
 }
 
+// (S, Y) pairs: float64 output only from float64 rows.
+template <int S, int Y>
+constexpr bool kValidForward = !(Y == 1 && S != 1);
+
+template <int S, int Y>
+constexpr ForwardRowsFn forward_entry() {
+  if constexpr (kValidForward<S, Y>) {
+    return &forward_rows<TypeAt<S>, TypeAt<Y>>;
+  } else {
+    return nullptr;
+  }
+}
+template <int S, int Y>
+constexpr SegmentNormalizeFn normalize_entry() {
+  if constexpr (kValidForward<S, Y>) {
+    return &segment_normalize<TypeAt<S>, TypeAt<Y>>;
+  } else {
+    return nullptr;
+  }
+}
+template <int S, int Y>
+struct ForwardEntry {
+  static constexpr ForwardRowsFn value = forward_entry<S, Y>();
+};
+template <int S, int Y>
+struct NormalizeEntry {
+  static constexpr SegmentNormalizeFn value = normalize_entry<S, Y>();
+};
+template <int S, int G>
+struct BackwardEntry {
+  static constexpr BackwardRowsFn value = &backward_rows<TypeAt<S>, TypeAt<G>>;
+};
+template <int S, int G>
+struct BackwardSumsEntry {
+  static constexpr BackwardSegmentSumsFn value = &backward_segment_sums<TypeAt<S>, TypeAt<G>>;
+};
+template <int S, int G>
+struct BackwardApplyEntry {
+  static constexpr BackwardSegmentApplyFn value = &backward_segment_apply<TypeAt<S>, TypeAt<G>>;
+};
+
 constexpr auto kAddTable = make_add_table(std::make_index_sequence<64>{});
-constexpr auto kForwardTable = make_forward_table(std::make_index_sequence<16>{});
-constexpr auto kBackwardTable = make_backward_table(std::make_index_sequence<16>{});
+constexpr auto kForwardTable = make_pair_table<ForwardEntry>(std::make_index_sequence<16>{});
+constexpr auto kNormalizeTable = make_pair_table<NormalizeEntry>(std::make_index_sequence<16>{});
+constexpr auto kBackwardTable = make_pair_table<BackwardEntry>(std::make_index_sequence<16>{});
+constexpr auto kBackwardSumsTable = make_pair_table<BackwardSumsEntry>(std::make_index_sequence<16>{});
+constexpr auto kBackwardApplyTable = make_pair_table<BackwardApplyEntry>(std::make_index_sequence<16>{});
+constexpr std::array<SegmentSumsFn, 4> kSegmentSumsTable{&segment_sums<float>, &segment_sums<double>,
+                                                         &segment_sums<bf16>, &segment_sums<f16>};
+
+int pair_index(Dtype a, Dtype b) { return static_cast<int>(a) * 4 + static_cast<int>(b); }
 
 AddRowFn lookup_add(Dtype x, Dtype r, Dtype h) {
   return kAddTable[static_cast<int>(x) * 16 + static_cast<int>(r) * 4 + static_cast<int>(h)];
 }
-ForwardRowsFn lookup_forward(Dtype src, Dtype out) {
-  return kForwardTable[static_cast<int>(src) * 4 + static_cast<int>(out)];
+ForwardRowsFn lookup_forward(Dtype src, Dtype out) { return kForwardTable[pair_index(src, out)]; }
+BackwardRowsFn lookup_backward(Dtype saved, Dtype grad_out) { return kBackwardTable[pair_index(saved, grad_out)]; }
+SegmentSumsFn lookup_segment_sums(Dtype src) { return kSegmentSumsTable[static_cast<int>(src)]; }
+SegmentNormalizeFn lookup_segment_normalize(Dtype src, Dtype out) { return kNormalizeTable[pair_index(src, out)]; }
+BackwardSegmentSumsFn lookup_backward_segment_sums(Dtype saved, Dtype grad_out) {
+  return kBackwardSumsTable[pair_index(saved, grad_out)];
 }
-BackwardRowsFn lookup_backward(Dtype saved, Dtype grad_out) {
-  return kBackwardTable[static_cast<int>(saved) * 4 + static_cast<int>(grad_out)];
+BackwardSegmentApplyFn lookup_backward_segment_apply(Dtype saved, Dtype grad_out) {
+  return kBackwardApplyTable[pair_index(saved, grad_out)];
 }
 
 }  // namespace
 }  // namespace LNX_ISA_NS
 
 const RowKernels& LNX_ENTRY() {
-  static const RowKernels kernels{LNX_ISA_NAME, &LNX_ISA_NS::lookup_add, &LNX_ISA_NS::lookup_forward,
-                                  &LNX_ISA_NS::lookup_backward};
+  static const RowKernels kernels{LNX_ISA_NAME,
+                                  &LNX_ISA_NS::lookup_add,
+                                  &LNX_ISA_NS::lookup_forward,
+                                  &LNX_ISA_NS::lookup_backward,
+                                  &LNX_ISA_NS::lookup_segment_sums,
+                                  &LNX_ISA_NS::lookup_segment_normalize,
+                                  &LNX_ISA_NS::lookup_backward_segment_sums,
+                                  &LNX_ISA_NS::lookup_backward_segment_apply};
   return kernels;
 }
 
