@@ -122,6 +122,23 @@ constexpr ScalarType scalar_type_of() {
 
 // The affine parameter as To values: the tensor's own memory when it has that dtype, else a converted copy in
 // a per-thread buffer that is reused (slot tells the buffers apart), so that no call page-faults on it.
+// Calls fn(T{}) with T the C++ type of a parameter dtype.
+template <typename Fn>
+void visit_param_dtype(ScalarType type, const Fn& fn) {
+  switch (type) {
+    case ScalarType::Float:
+      return fn(float{});
+    case ScalarType::Double:
+      return fn(double{});
+    case ScalarType::BFloat16:
+      return fn(c10::BFloat16{});
+    case ScalarType::Half:
+      return fn(c10::Half{});
+    default:
+      TORCH_CHECK(false, "layernorm_ext: unsupported parameter dtype ", type);
+  }
+}
+
 template <typename To>
 const To* param_as(const void* ptr, ScalarType type, int64_t cols, int slot) {
   if (ptr == nullptr) return nullptr;
@@ -129,52 +146,19 @@ const To* param_as(const void* ptr, ScalarType type, int64_t cols, int slot) {
   thread_local std::vector<To> buffers[2];
   std::vector<To>& v = buffers[slot];
   if (static_cast<int64_t>(v.size()) < cols) v.resize(cols);
-  auto convert = [&](auto tag) {
-    using From = decltype(tag);
-    const From* src = static_cast<const From*>(ptr);
+  visit_param_dtype(type, [&](auto tag) {
+    const auto* src = static_cast<const decltype(tag)*>(ptr);
     for (int64_t j = 0; j < cols; ++j) v[j] = static_cast<To>(src[j]);
-  };
-  switch (type) {
-    case ScalarType::Float:
-      convert(float{});
-      break;
-    case ScalarType::Double:
-      convert(double{});
-      break;
-    case ScalarType::BFloat16:
-      convert(c10::BFloat16{});
-      break;
-    case ScalarType::Half:
-      convert(c10::Half{});
-      break;
-    default:
-      TORCH_CHECK(false, "layernorm_ext: unsupported parameter dtype ", type);
-  }
+  });
   return v.data();
 }
 
 void store_param(const double* src, void* dst, ScalarType type, int64_t offset, int64_t count) {
-  auto convert = [&](auto tag) {
+  visit_param_dtype(type, [&](auto tag) {
     using To = decltype(tag);
     To* out = static_cast<To*>(dst) + offset;
     for (int64_t j = 0; j < count; ++j) out[j] = static_cast<To>(src[j]);
-  };
-  switch (type) {
-    case ScalarType::Float:
-      convert(float{});
-      break;
-    case ScalarType::Double:
-      convert(double{});
-      break;
-    case ScalarType::BFloat16:
-      convert(c10::BFloat16{});
-      break;
-    case ScalarType::Half:
-      convert(c10::Half{});
-      break;
-    default:
-      TORCH_CHECK(false, "layernorm_ext: unsupported parameter dtype ", type);
-  }
+  });
 }
 
 bool split_rows(int64_t rows, int64_t cols) { return rows < kSplitMaxRows && cols >= kSplitMinCols; }

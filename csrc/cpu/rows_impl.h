@@ -431,6 +431,26 @@ inline void normalize_row(const S* src, Y* out, const C* weight, const C* bias, 
   if (j < n) store_part<C>(out + j, normalize(load_part<C>(src + j, n - j), j, n - j), n - j);
 }
 
+// normalize_row with the flags of this call.
+template <class C, class S, class Y>
+inline void normalize(bool rms, const S* src, Y* out, const C* weight, const C* bias, int64_t n, C hi, C lo, C rstd) {
+  if (rms) {
+    if (weight != nullptr) {
+      normalize_row<true, true, false>(src, out, weight, bias, n, hi, lo, rstd);
+    } else {
+      normalize_row<true, false, false>(src, out, weight, bias, n, hi, lo, rstd);
+    }
+  } else if (weight != nullptr && bias != nullptr) {
+    normalize_row<false, true, true>(src, out, weight, bias, n, hi, lo, rstd);
+  } else if (weight != nullptr) {
+    normalize_row<false, true, false>(src, out, weight, bias, n, hi, lo, rstd);
+  } else if (bias != nullptr) {
+    normalize_row<false, false, true>(src, out, weight, bias, n, hi, lo, rstd);
+  } else {
+    normalize_row<false, false, false>(src, out, weight, bias, n, hi, lo, rstd);
+  }
+}
+
 template <class S, class Y>
 void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
   using C = ComputeOf<S>;
@@ -494,22 +514,7 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
     if (mean_out != nullptr) mean_out[row] = mean_hi;
     rstd_out[row] = rstd;
 
-    const bool has_weight = weight != nullptr, has_bias = bias != nullptr;
-    if (rms) {
-      if (has_weight) {
-        normalize_row<true, true, false>(src, out, weight, bias, n, mean_hi, mean_lo, rstd);
-      } else {
-        normalize_row<true, false, false>(src, out, weight, bias, n, mean_hi, mean_lo, rstd);
-      }
-    } else if (has_weight && has_bias) {
-      normalize_row<false, true, true>(src, out, weight, bias, n, mean_hi, mean_lo, rstd);
-    } else if (has_weight) {
-      normalize_row<false, true, false>(src, out, weight, bias, n, mean_hi, mean_lo, rstd);
-    } else if (has_bias) {
-      normalize_row<false, false, true>(src, out, weight, bias, n, mean_hi, mean_lo, rstd);
-    } else {
-      normalize_row<false, false, false>(src, out, weight, bias, n, mean_hi, mean_lo, rstd);
-    }
+    normalize(rms, src, out, weight, bias, n, mean_hi, mean_lo, rstd);
   }
 }
 
@@ -635,10 +640,12 @@ bool use_float(int64_t cols) {
   return backward_computes_in_float(std::is_same_v<S, double>, std::is_same_v<G, double>, cols);
 }
 
-// Rows in groups of kRowGroup: first each row's sums (reading it from memory), then dx and dweight/dbias
-// column block by column block across the group's rows (re-read from L2), so that a block of the partial
-// sums stays in L1 while the group's rows add into it.
+// Rows in groups of up to kRowGroup (fewer for long rows: a group's input and dy stay within
+// kRowGroupBytes, about a quarter of L2): first each row's sums (reading it from memory), then dx and
+// dweight/dbias column block by column block across the group's rows (re-read from L2), so that a block of
+// the partial sums stays in L1 while the group's rows add into it.
 constexpr int64_t kRowGroup = 8;
+constexpr int64_t kRowGroupBytes = 512 * 1024;
 constexpr int64_t kColumnBlock = 2048;
 
 template <class S, class G, class C>
@@ -646,8 +653,10 @@ void backward_rows_as(const BackwardRows& a, int64_t begin, int64_t end, C* dwei
   const C* weight = param_as<C>(a, false);
   const C* bias = param_as<C>(a, true);
   const int64_t n = a.cols;
-  for (int64_t first = begin; first < end; first += kRowGroup) {
-    const int64_t count = min64(kRowGroup, end - first);
+  const int64_t row_bytes = n * static_cast<int64_t>(sizeof(S) + sizeof(G));
+  const int64_t group = row_bytes >= kRowGroupBytes ? 1 : min64(kRowGroup, kRowGroupBytes / row_bytes);
+  for (int64_t first = begin; first < end; first += group) {
+    const int64_t count = min64(group, end - first);
     BackwardCoefficients coefficients[kRowGroup];
     for (int64_t i = 0; i < count; ++i) {
       const BackwardRow<S, G, C> r(a, first + i, weight, bias);
@@ -699,22 +708,7 @@ void segment_normalize(const ForwardRows& a, int64_t row, int64_t c0, int64_t c1
   const C* bias = a.bias != nullptr ? static_cast<const C*>(a.bias) + c0 : nullptr;
   const C hi = static_cast<C>(mean), lo = static_cast<C>(mean - static_cast<double>(hi));
   const C scale = static_cast<C>(rstd);
-  const int64_t n = c1 - c0;
-  if (a.rms) {
-    if (weight != nullptr) {
-      normalize_row<true, true, false>(src, out, weight, bias, n, hi, lo, scale);
-    } else {
-      normalize_row<true, false, false>(src, out, weight, bias, n, hi, lo, scale);
-    }
-  } else if (weight != nullptr && bias != nullptr) {
-    normalize_row<false, true, true>(src, out, weight, bias, n, hi, lo, scale);
-  } else if (weight != nullptr) {
-    normalize_row<false, true, false>(src, out, weight, bias, n, hi, lo, scale);
-  } else if (bias != nullptr) {
-    normalize_row<false, false, true>(src, out, weight, bias, n, hi, lo, scale);
-  } else {
-    normalize_row<false, false, false>(src, out, weight, bias, n, hi, lo, scale);
-  }
+  normalize(a.rms, src, out, weight, bias, c1 - c0, hi, lo, scale);
 }
 
 // Backward over columns [c0, c1) of one row: the three sums, then (given the whole row's sums) dx and the
@@ -801,6 +795,7 @@ template <int S, int Y>
 struct NormalizeEntry {
   static constexpr SegmentNormalizeFn value = normalize_entry<S, Y>();
 };
+
 template <int S, int G>
 struct BackwardEntry {
   static constexpr BackwardRowsFn value = &backward_rows<TypeAt<S>, TypeAt<G>>;
