@@ -18,7 +18,8 @@ from layernorm_ext import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 _INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
              torch.bfloat16: torch.int16}
 
-SHAPES = [(3000, 257), (64, 4096)]
+# Many short rows (many dweight chunks), mid rows, and a few very long rows (split into column ranges).
+SHAPES = [(3000, 257), (64, 4096), (2, 1 << 17)]
 # (input dtype, parameter dtype)
 DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)]
 
