@@ -19,7 +19,17 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # Every CPU instruction set this machine runs; the numerics sweep runs on each (fixture cpu_isa).
 CPU_ISAS: list[str] = list(layernorm_ext.native.supported_cpu_isas())
 
-__all__ = ["CPU_ISAS", "DEVICES", "assert_no_worse_than_aten", "ulp_atol"]
+# (input dtype, weight/bias dtype): every supported pairing, plain and mixed (half input, float32 parameters).
+DTYPE_PAIRS: tuple[tuple[torch.dtype, torch.dtype], ...] = (
+    (torch.float32, torch.float32),
+    (torch.float64, torch.float64),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float32),
+)
+
+__all__ = ["CPU_ISAS", "DEVICES", "DTYPE_PAIRS", "assert_no_worse_than_aten", "ulp_atol"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

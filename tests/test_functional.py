@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import layernorm_ext as L
-from conftest import assert_no_worse_than_aten
+from conftest import DTYPE_PAIRS, assert_no_worse_than_aten
 
 # ATen's rms_norm warns on every mixed-dtype call (half input, float32 weight) that it takes its slower path
 # Every test runs on every CPU instruction set this machine supports (fixture cpu_isa in conftest).
@@ -50,14 +50,7 @@ NORM_SHAPES: tuple[tuple[int, ...], ...] = (
 )  # fmt: skip
 
 # (input dtype, weight/bias dtype): plain and mixed precision
-DTYPE_CONFIGS: tuple[tuple[torch.dtype, torch.dtype], ...] = (
-    (torch.float32, torch.float32),
-    (torch.float64, torch.float64),
-    (torch.float16, torch.float16),
-    (torch.bfloat16, torch.bfloat16),
-    (torch.float16, torch.float32),
-    (torch.bfloat16, torch.float32),
-)
+DTYPE_CONFIGS = DTYPE_PAIRS
 
 _SHORT = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from conftest import assert_no_worse_than_aten
+from conftest import DTYPE_PAIRS, assert_no_worse_than_aten
 from layernorm_ext import FusedLayerNorm, FusedRMSNorm
 
 # ATen's CPU rms_norm warns that it cannot use its fused path for mixed dtypes (bf16 input, fp32 weight).
@@ -23,15 +23,6 @@ Module = torch.nn.LayerNorm | torch.nn.RMSNorm
 
 SHAPES: list[int | tuple[int, ...] | list[int] | torch.Size] = [8, (4, 6), [5], torch.Size([3, 4])]
 
-# (input dtype, parameter dtype): every supported pairing, mixed half input with float32 parameters included.
-DTYPE_PAIRS = [
-    (torch.float32, torch.float32),
-    (torch.float64, torch.float64),
-    (torch.bfloat16, torch.bfloat16),
-    (torch.float16, torch.float16),
-    (torch.bfloat16, torch.float32),
-    (torch.float16, torch.float32),
-]
 
 
 def _pair_id(pair: tuple[torch.dtype, torch.dtype]) -> str:
