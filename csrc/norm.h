@@ -7,8 +7,8 @@
 #include <c10/core/SymIntArrayRef.h>
 
 #include <functional>
-#include <string>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 

@@ -69,25 +69,24 @@ const RowKernels* kernels_for(const std::string& isa) {
 
 constexpr const char* kIsaOrder[] = {"avx512", "avx2", "scalar"};
 
+std::string best_isa() {
+  for (const char* isa : kIsaOrder) {
+    if (cpu_has(isa)) return isa;
+  }
+  return "scalar";
+}
+
 // The best ISA the CPU has, or LAYERNORM_EXT_CPU_ISA when it names one the CPU has (a lower one).
 std::string initial_isa() {
   const char* requested = std::getenv("LAYERNORM_EXT_CPU_ISA");
-  for (const char* isa : kIsaOrder) {
-    if (!cpu_has(isa)) continue;
-    if (requested == nullptr || *requested == '\0') return isa;
-    break;
-  }
+  if (requested == nullptr || *requested == '\0') return best_isa();
   const std::string want(requested);
   TORCH_CHECK(want == "scalar" || want == "avx2" || want == "avx512",
               "LAYERNORM_EXT_CPU_ISA must be one of scalar, avx2, avx512, but got '", want, "'");
   if (cpu_has(want.c_str())) return want;
-  for (const char* isa : kIsaOrder) {
-    if (cpu_has(isa)) {
-      TORCH_WARN("LAYERNORM_EXT_CPU_ISA=", want, ": this CPU lacks it; using ", isa);
-      return isa;
-    }
-  }
-  return "scalar";
+  const std::string fallback = best_isa();
+  TORCH_WARN("LAYERNORM_EXT_CPU_ISA=", want, ": this CPU lacks it; using ", fallback);
+  return fallback;
 }
 
 std::mutex isa_mutex;
