@@ -50,6 +50,12 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   r.rstd = at::empty(g.stat_shape, input.options().dtype(acc));
   if (!rms) r.mean = at::empty(g.stat_shape, input.options().dtype(acc));
   if (g.rows == 0) return r;
+  if (g.cols == 0) {
+    // Rows of no elements (a 0 in normalized_shape): as ATen, mean 0 and rstd NaN (0 / 0 variance).
+    if (!rms) r.mean.zero_();
+    r.rstd.fill_(std::numeric_limits<double>::quiet_NaN());
+    return r;
+  }
 
   NormForwardParams p;
   p.input = input.data_ptr();
@@ -104,8 +110,8 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
                                                     : (bias.has_value() ? bias->scalar_type() : saved.scalar_type());
   r.grad_weight = weight.has_value() ? at::empty(weight->sizes(), weight->options()) : placeholder(saved, weight_type);
   r.grad_bias = bias.has_value() ? at::empty(bias->sizes(), bias->options()) : placeholder(saved, weight_type);
-  if (g.rows == 0) {
-    // No rows: the parameter gradients are sums over nothing.
+  if (g.rows == 0 || g.cols == 0) {
+    // No rows, or rows of no elements: the parameter gradients are sums over nothing (or empty).
     r.grad_weight.zero_();
     r.grad_bias.zero_();
     return r;

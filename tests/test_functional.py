@@ -722,3 +722,31 @@ def test_empty(spec: Spec, device: str) -> None:
             g = res.grads[name]
             assert g.shape == spec.norm and torch.equal(g, torch.zeros_like(g)), (name, g)
     assert res.grads["input"].shape == spec.shape
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_rows_of_no_elements(fn: str, device: str) -> None:
+    """normalized_shape with a 0 in it and rows > 0: empty results, as ATen (which reports mean 0, rstd NaN)."""
+    x = torch.randn(3, 0, device=device, requires_grad=True)
+    r = torch.randn(3, 0, device=device, requires_grad=True)
+    w = torch.randn(0, device=device, requires_grad=True)
+    b = torch.randn(0, device=device, requires_grad=True)
+    if fn == "layer_norm":
+        out = L.layer_norm(x, (0,), w, b)
+    elif fn == "rms_norm":
+        out = L.rms_norm(x, (0,), w)
+    elif fn == "add_layer_norm":
+        out = L.add_layer_norm(x, r, (0,), w, b)[0]
+    else:
+        out = L.add_rms_norm(x, r, (0,), w)[0]
+    assert out.shape == (3, 0)
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == (3, 0)
+    assert w.grad is not None and w.grad.shape == (0,)
+    if fn in LN_FNS:
+        _, _, mean, rstd = torch.ops.layernorm_ext.layer_norm_fwd(x.detach(), [0], None, None, 1e-5)
+        _, aten_mean, aten_rstd = torch.native_layer_norm(x.detach(), [0], None, None, 1e-5)
+        assert torch.equal(mean, aten_mean.view(3)) and rstd.isnan().all() and aten_rstd.isnan().all()
+    else:
+        _, _, rstd = torch.ops.layernorm_ext.rms_norm_fwd(x.detach(), [0], None, None)
+        assert rstd.shape == (3,) and rstd.isnan().all()
