@@ -12,56 +12,12 @@
 #include <tuple>
 #include <vector>
 
+#include "norm_params.h"
+
 namespace layernorm_ext {
 
-using at::ScalarType;
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
-
-// One forward call: rows x cols, row-major, every pointer contiguous. h = input (+ residual) is the row that
-// gets normalized; with a residual it is written to residual_out in h_type. mean is unused for RMSNorm.
-struct NormForwardParams {
-  const void* input = nullptr;
-  const void* residual = nullptr;  // nullptr: no fused residual add
-  const void* weight = nullptr;    // nullptr: no affine scale
-  const void* bias = nullptr;      // nullptr: no shift (always nullptr for RMSNorm)
-  void* out = nullptr;             // input_type
-  void* residual_out = nullptr;    // h_type; nullptr when residual is nullptr
-  void* mean = nullptr;            // acc_type; nullptr for RMSNorm
-  void* rstd = nullptr;            // acc_type
-  ScalarType input_type = ScalarType::Float;
-  ScalarType residual_type = ScalarType::Float;
-  ScalarType h_type = ScalarType::Float;
-  ScalarType weight_type = ScalarType::Float;  // weight and bias share it
-  ScalarType acc_type = ScalarType::Float;     // Float, or Double when h_type is Double
-  int64_t rows = 0;
-  int64_t cols = 0;
-  double eps = 0.0;
-  bool rms = false;
-};
-
-// One backward call. saved is h (saved_is_output = false) or the forward's out (true, the memory-efficient
-// mode, which recovers xhat = (out - bias) / weight). grad_input has saved_type.
-struct NormBackwardParams {
-  const void* grad_out = nullptr;           // out_type
-  const void* grad_residual_out = nullptr;  // saved_type (converted by the op body), added to grad_input
-  const void* saved = nullptr;
-  const void* mean = nullptr;  // acc_type; nullptr for RMSNorm
-  const void* rstd = nullptr;  // acc_type
-  const void* weight = nullptr;
-  const void* bias = nullptr;
-  void* grad_input = nullptr;   // saved_type
-  void* grad_weight = nullptr;  // weight_type; nullptr when weight is nullptr
-  void* grad_bias = nullptr;    // weight_type; nullptr when bias is nullptr
-  ScalarType out_type = ScalarType::Float;
-  ScalarType saved_type = ScalarType::Float;
-  ScalarType weight_type = ScalarType::Float;
-  ScalarType acc_type = ScalarType::Float;
-  int64_t rows = 0;
-  int64_t cols = 0;
-  bool rms = false;
-  bool saved_is_output = false;
-};
 
 // What the argument checks derive from a call.
 struct NormGeometry {
@@ -113,5 +69,13 @@ const char* isa_name();                   // instruction set the CPU kernels use
 std::vector<std::string> supported_isas();  // those this CPU can run, best first
 std::string set_isa(const std::string& isa);  // switch (tests, benchmarks); returns the previous one
 }  // namespace cpu
+
+#ifdef LAYERNORM_EXT_WITH_CUDA
+namespace cuda {
+// On the current device and stream (the caller holds a device guard); launches only, never synchronizes.
+void forward(const NormForwardParams& p);
+void backward(const NormBackwardParams& p);
+}  // namespace cuda
+#endif
 
 }  // namespace layernorm_ext

@@ -1,0 +1,59 @@
+// The kernel parameter blocks: what every device's kernels are handed, filled the same way by the
+// device-independent op bodies (norm_ops.cpp). Only c10's ScalarType here, so the CUDA translation units can
+// include it without the whole of ATen.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+namespace layernorm_ext {
+
+using c10::ScalarType;
+
+// One forward call: rows x cols, row-major, every pointer contiguous. h = input (+ residual) is the row that
+// gets normalized; with a residual it is written to residual_out in h_type. mean is unused for RMSNorm.
+struct NormForwardParams {
+  const void* input = nullptr;
+  const void* residual = nullptr;  // nullptr: no fused residual add
+  const void* weight = nullptr;    // nullptr: no affine scale
+  const void* bias = nullptr;      // nullptr: no shift (always nullptr for RMSNorm)
+  void* out = nullptr;             // input_type
+  void* residual_out = nullptr;    // h_type; nullptr when residual is nullptr
+  void* mean = nullptr;            // acc_type; nullptr for RMSNorm
+  void* rstd = nullptr;            // acc_type
+  ScalarType input_type = ScalarType::Float;
+  ScalarType residual_type = ScalarType::Float;
+  ScalarType h_type = ScalarType::Float;
+  ScalarType weight_type = ScalarType::Float;  // weight and bias share it
+  ScalarType acc_type = ScalarType::Float;     // Float, or Double when h_type is Double
+  int64_t rows = 0;
+  int64_t cols = 0;
+  double eps = 0.0;
+  bool rms = false;
+};
+
+// One backward call. saved is h (saved_is_output = false) or the forward's out (true, the memory-efficient
+// mode, which recovers xhat = (out - bias) / weight). grad_input has saved_type.
+struct NormBackwardParams {
+  const void* grad_out = nullptr;           // out_type
+  const void* grad_residual_out = nullptr;  // saved_type (converted by the op body), added to grad_input
+  const void* saved = nullptr;
+  const void* mean = nullptr;  // acc_type; nullptr for RMSNorm
+  const void* rstd = nullptr;  // acc_type
+  const void* weight = nullptr;
+  const void* bias = nullptr;
+  void* grad_input = nullptr;   // saved_type
+  void* grad_weight = nullptr;  // weight_type; nullptr when weight is nullptr
+  void* grad_bias = nullptr;    // weight_type; nullptr when bias is nullptr
+  ScalarType out_type = ScalarType::Float;
+  ScalarType saved_type = ScalarType::Float;
+  ScalarType weight_type = ScalarType::Float;
+  ScalarType acc_type = ScalarType::Float;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  bool rms = false;
+  bool saved_is_output = false;
+};
+
+}  // namespace layernorm_ext
