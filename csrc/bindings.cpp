@@ -89,6 +89,26 @@ TORCH_LIBRARY_IMPL(layernorm_ext, AutocastCUDA, m) {
   m.impl("rms_norm_fwd", torch::CppFunction::makeFromBoxedFunction<&autocast_cuda_to_fp32>());
 }
 
+#ifndef LAYERNORM_EXT_WITH_CUDA
+namespace {
+
+// A library built without the CUDA kernels (a CPU-only torch, or no nvcc at build time) says so when handed
+// CUDA tensors, instead of the dispatcher's generic "could not run ... with arguments from the 'CUDA' backend".
+void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/) {
+  TORCH_CHECK(false, op.schema().name(),
+              ": layernorm_ext was built without its CUDA kernels; rebuild it with a CUDA build of torch and the "
+              "CUDA toolkit present (FORCE_CUDA=1 pip install --no-build-isolation --force-reinstall --no-deps .)");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(layernorm_ext, CUDA, m) {
+  for (const char* name : {"layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  }
+}
+#endif
+
 namespace {
 
 pybind11::dict build_info() {

@@ -6,6 +6,9 @@ helpers and without importing the package.
 
 from __future__ import annotations
 
+import glob
+import os
+import shutil
 from pathlib import Path
 
 # Paths relative to the csrc folder.
@@ -21,10 +24,31 @@ CPU_SOURCES: tuple[str, ...] = (
     "cpu/rows_avx512.cpp",
 )
 
+# CUDA kernels (csrc/cuda): compiled when torch has CUDA and nvcc is found, or FORCE_CUDA=1.
+CUDA_SOURCES: tuple[str, ...] = (
+    "cuda/norm_cuda.cpp",
+    # The kernel family of cuda/norm_kernels.cuh, instantiated once per input dtype (parallel builds).
+    "cuda/launch_f32.cu",
+    "cuda/launch_f64.cu",
+    "cuda/launch_f16.cu",
+    "cuda/launch_bf16.cu",
+)
+
 # -fopenmp at compile time only: at::parallel_for is inline and expands to OpenMP pragmas; its runtime
 # symbols resolve to the OpenMP library torch itself loaded, so torch.set_num_threads governs our threads.
 # Linking a second OpenMP runtime would give the library a thread pool of its own.
 CXX_FLAGS: tuple[str, ...] = ("-O3", "-fopenmp")
+
+# nvcc: optimized, no fast-math (the results must match ATen's accuracy); -Xptxas -v only in verbose builds.
+NVCC_FLAGS: tuple[str, ...] = ("-O3", "--expt-relaxed-constexpr")
+NVCC_VERBOSE_FLAGS: tuple[str, ...] = ("-Xptxas", "-v")
+
+# Macro telling the shared sources (bindings.cpp, norm.h) that the CUDA kernels are linked in.
+WITH_CUDA_DEFINE = "LAYERNORM_EXT_WITH_CUDA"
+
+# Architectures built when TORCH_CUDA_ARCH_LIST is unset and no GPU is visible: Ampere and Hopper, with
+# PTX for newer GPUs to JIT from.
+DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 
 
 def csrc_dir() -> Path:
@@ -38,6 +62,55 @@ def csrc_dir() -> Path:
     )
 
 
-def source_paths(root: Path | None = None) -> list[str]:
+def source_paths(root: Path | None = None, with_cuda: bool = False) -> list[str]:
     root = csrc_dir() if root is None else root
-    return [str(root / name) for name in CPU_SOURCES]
+    names = CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())
+    return [str(root / name) for name in names]
+
+
+def _is_toolkit(folder: Path) -> bool:
+    return (folder / "bin" / "nvcc").is_file() and (folder / "include" / "cuda_runtime.h").is_file()
+
+
+def find_cuda_home() -> str | None:
+    """The CUDA toolkit folder: $CUDA_HOME / $CUDA_PATH if set, else the toolkit of the nvcc on PATH, else
+    /usr/local/cuda or the newest /usr/local/cuda-*.
+
+    torch guesses the toolkit from `which nvcc`'s parent folder, which is wrong when nvcc on PATH is a wrapper
+    script or a symlink farm (e.g. /usr/local/bin/nvcc); here a candidate must hold bin/nvcc and
+    include/cuda_runtime.h.
+    """
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return os.environ[var]
+    candidates: list[Path] = []
+    nvcc = shutil.which("nvcc")
+    if nvcc is not None:
+        candidates.append(Path(nvcc).resolve().parent.parent)
+        try:  # a wrapper script naming the real nvcc: exec /usr/local/cuda-13.0/bin/nvcc "$@"
+            text = Path(nvcc).read_text(errors="ignore")[:4096]
+        except OSError:
+            text = ""
+        for word in text.split():
+            word = word.strip("'\"")
+            if word.endswith("/bin/nvcc"):
+                candidates.append(Path(word).parent.parent)
+    candidates.append(Path("/usr/local/cuda"))
+    candidates += [Path(p) for p in sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
+    for folder in candidates:
+        if _is_toolkit(folder):
+            return str(folder)
+    return None
+
+
+def configure_cuda_home() -> str | None:
+    """Set $CUDA_HOME for torch.utils.cpp_extension (which reads it when first imported) if it is unset and a
+    toolkit is found; returns the toolkit folder or None."""
+    home = find_cuda_home()
+    if home is not None and not os.environ.get("CUDA_HOME"):
+        os.environ["CUDA_HOME"] = home
+    return home
+
+
+def force_cuda() -> bool:
+    return os.environ.get("FORCE_CUDA", "0") == "1"

@@ -1,0 +1,12 @@
+// Instantiates the CUDA kernel family (norm_kernels.cuh) for __half inputs, for every row / parameter dtype
+// combination (one file per input dtype, so the builds run in parallel).
+#include "norm_kernels.cuh"
+
+namespace layernorm_ext {
+namespace cuda {
+
+void forward_f16(const NormForwardParams& p) { forward_for_input<__half>(p); }
+void backward_f16(const NormBackwardParams& p) { backward_for_grad<__half>(p); }
+
+}  // namespace cuda
+}  // namespace layernorm_ext

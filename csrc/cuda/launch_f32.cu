@@ -1,0 +1,12 @@
+// Instantiates the CUDA kernel family (norm_kernels.cuh) for float inputs, for every row / parameter dtype
+// combination (one file per input dtype, so the builds run in parallel).
+#include "norm_kernels.cuh"
+
+namespace layernorm_ext {
+namespace cuda {
+
+void forward_f32(const NormForwardParams& p) { forward_for_input<float>(p); }
+void backward_f32(const NormBackwardParams& p) { backward_for_grad<float>(p); }
+
+}  // namespace cuda
+}  // namespace layernorm_ext

@@ -1,0 +1,907 @@
+// The CUDA kernel family of layernorm_ext: one templated forward and one templated backward serve LayerNorm
+// and RMSNorm (template flag kRms), every dtype combination and the fused residual add (a runtime pointer).
+// Instantiated by launch_{f32,f64,f16,bf16}.cu, one file per input dtype so that the builds run in parallel.
+//
+// Mapping, chosen on the host by plan_rows() from the row length in vectors ("units": 16-byte packs when every
+// pointer is aligned and cols is a multiple of the pack width, single elements otherwise):
+//   - short rows (<= 32 threads x 4 packs): a sub-warp of 4/8/16 lanes or a warp per row, several rows per
+//     block of 128 threads, the row held in registers;
+//   - medium rows: one block of 64..512 threads per row (a multiple of 32), the row held in registers;
+//   - long rows (beyond the registers of 512 threads): one block per row; the forward stages the row in
+//     shared memory when it fits, else reads it twice (the second read mostly from L2); the backward reads
+//     twice and keeps its dweight/dbias partials in a global buffer row owned by the block.
+// Statistics: each thread's (count, mean, M2) from the values it holds (a Welford state, formed exactly from
+// registers), merged across the row's lanes with Chan's formula over __shfl_xor_sync butterflies, always
+// lower lane first so every lane gets the same bits, then across warps through shared memory in warp order.
+// RMSNorm reduces the sum of squares. Accumulation in float (double for float64 rows).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "../norm_params.h"
+
+namespace layernorm_ext {
+namespace cuda {
+
+// ---- element types -------------------------------------------------------------------------------------
+
+template <typename T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <typename A, typename T>
+__device__ __forceinline__ A to_acc(T v) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return static_cast<A>(__half2float(v));
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return static_cast<A>(__bfloat162float(v));
+  } else {
+    return static_cast<A>(v);
+  }
+}
+
+template <typename T, typename A>
+__device__ __forceinline__ T from_acc(A v) {
+  if constexpr (std::is_same_v<T, __half>) {
+    if constexpr (std::is_same_v<A, double>) return __double2half(v);
+    else return __float2half_rn(v);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if constexpr (std::is_same_v<A, double>) return __double2bfloat16(v);
+    else return __float2bfloat16_rn(v);
+  } else {
+    return static_cast<T>(v);
+  }
+}
+
+// kVec elements of T, aligned for one vector access (16 bytes at most per instruction).
+template <typename T, int kVec>
+struct alignas(sizeof(T) * kVec < 16 ? sizeof(T) * kVec : 16) Pack {
+  T v[kVec];
+};
+
+template <typename A, typename T, int kVec>
+__device__ __forceinline__ void load_pack(const void* base, int64_t unit, A (&out)[kVec]) {
+  const Pack<T, kVec> pack = reinterpret_cast<const Pack<T, kVec>*>(base)[unit];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) out[j] = to_acc<A>(pack.v[j]);
+}
+
+template <typename T, typename A, int kVec>
+__device__ __forceinline__ void store_pack(void* base, int64_t unit, const A (&in)[kVec]) {
+  Pack<T, kVec> pack;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) pack.v[j] = from_acc<T>(in[j]);
+  reinterpret_cast<Pack<T, kVec>*>(base)[unit] = pack;
+}
+
+// A pack of a tensor whose dtype is known only at run time (the residual: any float dtype). The branch is
+// uniform across the grid.
+template <typename A, int kVec>
+__device__ __forceinline__ void load_pack_dyn(const void* base, ScalarType type, int64_t unit, A (&out)[kVec]) {
+  switch (type) {
+    case ScalarType::Double: load_pack<A, double, kVec>(base, unit, out); break;
+    case ScalarType::Half: load_pack<A, __half, kVec>(base, unit, out); break;
+    case ScalarType::BFloat16: load_pack<A, __nv_bfloat16, kVec>(base, unit, out); break;
+    default: load_pack<A, float, kVec>(base, unit, out); break;
+  }
+}
+
+// ---- reductions ------------------------------------------------------------------------------------------
+
+// Welford state of a set of values: count, mean, sum of squared deviations from the mean.
+template <typename A>
+struct Welford {
+  A n, mean, m2;
+};
+
+// Chan's merge; `a` is always the lower-indexed part, so the result is the same whichever lane computes it.
+template <typename A>
+__device__ __forceinline__ Welford<A> combine(const Welford<A>& a, const Welford<A>& b) {
+  const A n = a.n + b.n;
+  if (n == A(0)) return {A(0), A(0), A(0)};
+  const A b_share = b.n / n;
+  const A delta = b.mean - a.mean;
+  return {n, a.mean + delta * b_share, a.m2 + b.m2 + delta * delta * a.n * b_share};
+}
+
+// Two running sums (RMSNorm: sum of squares in .a; backward: sum(g) and sum(g * xhat)). Addition commutes
+// exactly, so butterflies give every lane the same bits.
+template <typename A>
+struct Sums {
+  A a, b;
+};
+
+template <typename A>
+__device__ __forceinline__ Sums<A> combine(const Sums<A>& x, const Sums<A>& y) {
+  return {x.a + y.a, x.b + y.b};
+}
+
+template <typename A>
+__device__ __forceinline__ Welford<A> shfl_xor(const Welford<A>& s, int offset) {
+  return {__shfl_xor_sync(0xffffffffu, s.n, offset), __shfl_xor_sync(0xffffffffu, s.mean, offset),
+          __shfl_xor_sync(0xffffffffu, s.m2, offset)};
+}
+
+template <typename A>
+__device__ __forceinline__ Sums<A> shfl_xor(const Sums<A>& s, int offset) {
+  return {__shfl_xor_sync(0xffffffffu, s.a, offset), __shfl_xor_sync(0xffffffffu, s.b, offset)};
+}
+
+// All-reduce over the `lanes` threads of one row: a power of two up to 32 (a sub-warp, aligned inside its
+// warp), or a multiple of 32 spanning the whole block. Every thread of the block must call it. `scratch`:
+// shared memory for one Stat per warp.
+template <typename Stat>
+__device__ __forceinline__ Stat row_allreduce(Stat s, int lanes, Stat* scratch) {
+  const int warp_lanes = lanes < 32 ? lanes : 32;
+  for (int offset = 1; offset < warp_lanes; offset <<= 1) {
+    const Stat other = shfl_xor(s, offset);
+    const bool upper = (threadIdx.x & offset) != 0;
+    s = upper ? combine(other, s) : combine(s, other);
+  }
+  if (lanes > 32) {
+    const int warp = threadIdx.x / 32;
+    if ((threadIdx.x & 31) == 0) scratch[warp] = s;
+    __syncthreads();
+    s = scratch[0];
+    for (int w = 1; w < lanes / 32; ++w) s = combine(s, scratch[w]);
+    __syncthreads();  // scratch may be reused by the next reduction
+  }
+  return s;
+}
+
+// ---- forward ---------------------------------------------------------------------------------------------
+
+template <typename A>
+struct ForwardArgs {
+  const void* input;
+  const void* residual;  // nullptr: no fused add
+  const void* weight;
+  const void* bias;
+  void* out;
+  void* residual_out;
+  A* mean;  // nullptr for RMSNorm
+  A* rstd;
+  int64_t rows;
+  int64_t cols;
+  int64_t units;  // cols / kVec
+  A eps;
+  ScalarType residual_type;
+  int lanes;         // threads per row
+  int rows_per_block;
+};
+
+// h for one pack: the input, or round_to_Th(input + residual) (written to residual_out), in the compute type.
+template <typename Tin, typename Th, typename A, int kVec>
+__device__ __forceinline__ void load_h(const ForwardArgs<A>& a, int64_t unit, A (&h)[kVec]) {
+  load_pack<A, Tin, kVec>(a.input, unit, h);
+  if (a.residual != nullptr) {
+    A r[kVec];
+    load_pack_dyn<A, kVec>(a.residual, a.residual_type, unit, r);
+    Pack<Th, kVec> rounded;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      rounded.v[j] = from_acc<Th>(h[j] + r[j]);
+      h[j] = to_acc<A>(rounded.v[j]);
+    }
+    reinterpret_cast<Pack<Th, kVec>*>(a.residual_out)[unit] = rounded;
+  }
+}
+
+// out = (h - mean) * rstd * weight + bias (LayerNorm) or h * rstd * weight (RMSNorm), for one pack.
+template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
+__device__ __forceinline__ void normalize_store(const ForwardArgs<A>& a, int64_t row, int64_t col_unit,
+                                                const A (&h)[kVec], A mean, A rstd) {
+  A y[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) y[j] = kRms ? h[j] * rstd : (h[j] - mean) * rstd;
+  if (a.weight != nullptr) {
+    A w[kVec];
+    load_pack<A, Tw, kVec>(a.weight, col_unit, w);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) y[j] *= w[j];
+  }
+  if (!kRms && a.bias != nullptr) {
+    A b[kVec];
+    load_pack<A, Tw, kVec>(a.bias, col_unit, b);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) y[j] += b[j];
+  }
+  store_pack<Tin, A, kVec>(a.out, row * a.units + col_unit, y);
+}
+
+template <bool kRms, typename A>
+__device__ __forceinline__ void finish_stats(const ForwardArgs<A>& a, int64_t row, bool writer, A mean_or_zero,
+                                             A sum_sq_dev, A* mean_out, A* rstd_out) {
+  const A var = sum_sq_dev / static_cast<A>(a.cols);  // biased, as the norms define it
+  A rstd;
+  if constexpr (std::is_same_v<A, double>) rstd = 1.0 / sqrt(var + a.eps);
+  else rstd = 1.0f / sqrtf(var + a.eps);
+  *mean_out = mean_or_zero;
+  *rstd_out = rstd;
+  if (writer) {
+    if (!kRms) a.mean[row] = mean_or_zero;
+    a.rstd[row] = rstd;
+  }
+}
+
+constexpr int kMaxRowThreads = 512;   // threads per row of the register paths, and block size of the long path
+constexpr int kSmallRowsBlock = 128;  // block size when a (sub-)warp handles a row
+
+// Register path. Thread mapping: block = rows_per_block groups of `lanes` threads; group g handles row
+// blockIdx.x * rows_per_block + g (grid-striding); lane l holds packs l, l + lanes, ... (kPacks of them) of
+// the row in registers as the compute type. One all-reduce of the Welford state (sum of squares for RMSNorm),
+// then each lane normalizes the values it holds.
+template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, int kPacks>
+__global__ void __launch_bounds__(kMaxRowThreads) forward_rows_kernel(ForwardArgs<acc_t<Th>> a) {
+  using A = acc_t<Th>;
+  using Stat = std::conditional_t<kRms, Sums<A>, Welford<A>>;
+  __shared__ Stat scratch[kMaxRowThreads / 32];
+  const int group = threadIdx.x / a.lanes;
+  const int lane = threadIdx.x % a.lanes;
+  const int64_t row_step = static_cast<int64_t>(gridDim.x) * a.rows_per_block;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * a.rows_per_block; base < a.rows; base += row_step) {
+    const int64_t row = base + group;
+    const bool row_ok = row < a.rows;
+    A h[kPacks][kVec];
+    int held = 0;  // packs this lane holds
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+      const int64_t unit = static_cast<int64_t>(p) * a.lanes + lane;
+      if (row_ok && unit < a.units) {
+        load_h<Tin, Th, A, kVec>(a, row * a.units + unit, h[p]);
+        ++held;
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) h[p][j] = A(0);
+      }
+    }
+    // The lane's own statistics, exactly, from registers (absent packs are zeros and are skipped).
+    Stat s;
+    if constexpr (kRms) {
+      A sq = A(0);
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p)
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) sq += h[p][j] * h[p][j];
+      s = {sq, A(0)};
+    } else {
+      A sum = A(0);
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p)
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) sum += h[p][j];
+      const A n = static_cast<A>(held * kVec);
+      const A mean = held > 0 ? sum / n : A(0);
+      A m2 = A(0);
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+        if (p < held) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) m2 += (h[p][j] - mean) * (h[p][j] - mean);
+        }
+      }
+      s = {n, mean, m2};
+    }
+    s = row_allreduce(s, a.lanes, scratch);
+    A mean, rstd;
+    if constexpr (kRms) {
+      finish_stats<kRms>(a, row, row_ok && lane == 0, A(0), s.a, &mean, &rstd);
+    } else {
+      finish_stats<kRms>(a, row, row_ok && lane == 0, s.mean, s.m2, &mean, &rstd);
+    }
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+      if (p < held) {
+        normalize_store<Tin, Tw, kRms, A, kVec>(a, row, static_cast<int64_t>(p) * a.lanes + lane, h[p], mean,
+                                                rstd);
+      }
+    }
+  }
+}
+
+// Long-row path. Thread mapping: one block of kMaxRowThreads per row (grid-striding over rows); thread t
+// handles packs t, t + blockDim, ... Pass 1 reads h once, merges each pack's exact Welford state into the
+// thread's (sum of squares for RMSNorm) and, when the row fits (dynamic shared memory given), stages h in
+// shared memory as the compute type. Block all-reduce; pass 2 normalizes from shared memory, or re-reads
+// the row (the input, or residual_out that the same thread wrote in pass 1).
+template <typename Tin, typename Th, typename Tw, bool kRms, int kVec>
+__global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArgs<acc_t<Th>> a, bool staged) {
+  using A = acc_t<Th>;
+  using Stat = std::conditional_t<kRms, Sums<A>, Welford<A>>;
+  __shared__ Stat scratch[kMaxRowThreads / 32];
+  extern __shared__ __align__(16) unsigned char stage_bytes[];
+  A* stage = reinterpret_cast<A*>(stage_bytes);
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    Stat s = Stat{};
+    for (int64_t unit = threadIdx.x; unit < a.units; unit += blockDim.x) {
+      A h[kVec];
+      load_h<Tin, Th, A, kVec>(a, row * a.units + unit, h);
+      if constexpr (kRms) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) s.a += h[j] * h[j];
+      } else {
+        A sum = A(0);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) sum += h[j];
+        const A mean = sum / A(kVec);
+        A m2 = A(0);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) m2 += (h[j] - mean) * (h[j] - mean);
+        s = combine(s, Welford<A>{A(kVec), mean, m2});
+      }
+      if (staged) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) stage[unit * kVec + j] = h[j];
+      }
+    }
+    s = row_allreduce(s, static_cast<int>(blockDim.x), scratch);  // also orders the staging writes
+    A mean, rstd;
+    if constexpr (kRms) {
+      finish_stats<kRms>(a, row, threadIdx.x == 0, A(0), s.a, &mean, &rstd);
+    } else {
+      finish_stats<kRms>(a, row, threadIdx.x == 0, s.mean, s.m2, &mean, &rstd);
+    }
+    for (int64_t unit = threadIdx.x; unit < a.units; unit += blockDim.x) {
+      A h[kVec];
+      if (staged) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) h[j] = stage[unit * kVec + j];
+      } else if (a.residual != nullptr) {
+        load_pack<A, Th, kVec>(a.residual_out, row * a.units + unit, h);
+      } else {
+        load_pack<A, Tin, kVec>(a.input, row * a.units + unit, h);
+      }
+      normalize_store<Tin, Tw, kRms, A, kVec>(a, row, unit, h, mean, rstd);
+    }
+    if (staged) __syncthreads();  // the next row overwrites the stage
+  }
+}
+
+// ---- backward --------------------------------------------------------------------------------------------
+
+template <typename A>
+struct BackwardArgs {
+  const void* grad_out;
+  const void* grad_residual_out;  // saved's dtype; nullptr if none
+  const void* saved;
+  const A* mean;  // nullptr for RMSNorm
+  const A* rstd;
+  const void* weight;
+  const void* bias;
+  void* grad_input;
+  A* partial_dweight;  // [gridDim.x, cols]; nullptr when not wanted
+  A* partial_dbias;
+  int64_t rows;
+  int64_t cols;
+  int64_t units;
+  bool saved_is_output;
+  int lanes;
+  int rows_per_block;
+};
+
+// For one pack: xhat (from h and the statistics, or from the forward's output and the parameters) and
+// g = grad_out * weight.
+template <typename Tg, typename Ts, typename Tw, bool kRms, typename A, int kVec>
+__device__ __forceinline__ void backward_load(const BackwardArgs<A>& a, int64_t row, int64_t col_unit, A mean,
+                                              A rstd, A (&dy)[kVec], A (&xhat)[kVec], A (&g)[kVec]) {
+  const int64_t unit = row * a.units + col_unit;
+  load_pack<A, Tg, kVec>(a.grad_out, unit, dy);
+  load_pack<A, Ts, kVec>(a.saved, unit, xhat);
+  A w[kVec];
+  if (a.weight != nullptr) {
+    load_pack<A, Tw, kVec>(a.weight, col_unit, w);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) w[j] = A(1);
+  }
+  if (a.saved_is_output) {
+    if (!kRms && a.bias != nullptr) {
+      A b[kVec];
+      load_pack<A, Tw, kVec>(a.bias, col_unit, b);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) xhat[j] -= b[j];
+    }
+    if (a.weight != nullptr) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) xhat[j] /= w[j];
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) xhat[j] = kRms ? xhat[j] * rstd : (xhat[j] - mean) * rstd;
+  }
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) g[j] = dy[j] * w[j];
+}
+
+// grad_input = rstd * (g - (sum_g + xhat * sum_gx) / cols) (LayerNorm; RMSNorm drops sum_g), plus the
+// gradient flowing into residual_out.
+template <typename Ts, bool kRms, typename A, int kVec>
+__device__ __forceinline__ void backward_store(const BackwardArgs<A>& a, int64_t row, int64_t col_unit, A rstd,
+                                               A mean_g, A mean_gx, const A (&xhat)[kVec], const A (&g)[kVec]) {
+  const int64_t unit = row * a.units + col_unit;
+  A dx[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) dx[j] = rstd * (kRms ? g[j] - xhat[j] * mean_gx : g[j] - mean_g - xhat[j] * mean_gx);
+  if (a.grad_residual_out != nullptr) {
+    A extra[kVec];
+    load_pack<A, Ts, kVec>(a.grad_residual_out, unit, extra);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) dx[j] += extra[j];
+  }
+  store_pack<Ts, A, kVec>(a.grad_input, unit, dx);
+}
+
+template <typename A>
+__device__ __forceinline__ void row_stats(const BackwardArgs<A>& a, int64_t row, bool rms, A* mean, A* rstd) {
+  *rstd = a.rstd[row];
+  *mean = (rms || a.mean == nullptr) ? A(0) : a.mean[row];
+}
+
+// The end of backward_rows_kernel: sum the groups' column partials (group order) and write row blockIdx.x
+// of `out` ([gridDim.x, cols]). Every thread of the block calls it.
+template <typename A, int kPacks, int kVec>
+__device__ __forceinline__ void write_block_partials(const BackwardArgs<A>& a, A (&acc)[kPacks][kVec], A* out,
+                                                     A* combine_buf, int group, int lane) {
+  if (a.rows_per_block > 1) {
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p)
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) combine_buf[(threadIdx.x * kPacks + p) * kVec + j] = acc[p][j];
+    __syncthreads();
+    if (group == 0) {
+      for (int other = 1; other < a.rows_per_block; ++other) {
+        const int t = other * a.lanes + lane;
+#pragma unroll
+        for (int p = 0; p < kPacks; ++p)
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) acc[p][j] += combine_buf[(t * kPacks + p) * kVec + j];
+      }
+    }
+    __syncthreads();  // combine_buf is reused for the next output
+  }
+  if (group == 0) {
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+      const int64_t col_unit = static_cast<int64_t>(p) * a.lanes + lane;
+      if (col_unit < a.units) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) out[blockIdx.x * a.cols + col_unit * kVec + j] = acc[p][j];
+      }
+    }
+  }
+}
+
+// Register path, persistent. Thread mapping as forward_rows_kernel (rows_per_block groups of `lanes`
+// threads, lane l owns packs l, l + lanes, ...), but the grid is sized to the GPU and each group strides over
+// rows. Registers: the row's grad_out, xhat and g for the lane's packs, and the lane's dweight / dbias
+// partials for its columns across all its rows. One all-reduce per row of (sum g, sum g*xhat). At the end the
+// groups of a block add their partials in group order through shared memory and the block writes one row of
+// the [gridDim.x, cols] partial buffers (reduce_partials_kernel finishes the sum in a fixed order).
+template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec, int kPacks>
+__global__ void __launch_bounds__(kMaxRowThreads) backward_rows_kernel(BackwardArgs<acc_t<Ts>> a) {
+  using A = acc_t<Ts>;
+  __shared__ Sums<A> scratch[kMaxRowThreads / 32];
+  extern __shared__ __align__(16) unsigned char combine_bytes[];  // blockDim.x * kPacks * kVec values, when rows_per_block > 1
+  A* combine_buf = reinterpret_cast<A*>(combine_bytes);
+  const int group = threadIdx.x / a.lanes;
+  const int lane = threadIdx.x % a.lanes;
+  const bool want_partials = a.partial_dweight != nullptr || a.partial_dbias != nullptr;
+  A dweight[kPacks][kVec];
+  A dbias[kPacks][kVec];
+#pragma unroll
+  for (int p = 0; p < kPacks; ++p)
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) dweight[p][j] = dbias[p][j] = A(0);
+
+  const int64_t row_step = static_cast<int64_t>(gridDim.x) * a.rows_per_block;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * a.rows_per_block; base < a.rows; base += row_step) {
+    const int64_t row = base + group;
+    const bool row_ok = row < a.rows;
+    A mean = A(0), rstd = A(0);
+    if (row_ok) row_stats(a, row, kRms, &mean, &rstd);
+    A dy[kPacks][kVec], xhat[kPacks][kVec], g[kPacks][kVec];
+    Sums<A> s{A(0), A(0)};
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+      const int64_t col_unit = static_cast<int64_t>(p) * a.lanes + lane;
+      if (row_ok && col_unit < a.units) {
+        backward_load<Tg, Ts, Tw, kRms, A, kVec>(a, row, col_unit, mean, rstd, dy[p], xhat[p], g[p]);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          s.a += g[p][j];
+          s.b += g[p][j] * xhat[p][j];
+        }
+      }
+    }
+    s = row_allreduce(s, a.lanes, scratch);
+    const A inv_cols = A(1) / static_cast<A>(a.cols);
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+      const int64_t col_unit = static_cast<int64_t>(p) * a.lanes + lane;
+      if (row_ok && col_unit < a.units) {
+        backward_store<Ts, kRms, A, kVec>(a, row, col_unit, rstd, s.a * inv_cols, s.b * inv_cols, xhat[p], g[p]);
+        if (want_partials) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            dweight[p][j] += dy[p][j] * xhat[p][j];
+            dbias[p][j] += dy[p][j];
+          }
+        }
+      }
+    }
+  }
+  if (!want_partials) return;
+
+  // Block partials: group 0 adds the other groups' values in group order, then writes the block's row.
+  if (a.partial_dweight != nullptr) write_block_partials(a, dweight, a.partial_dweight, combine_buf, group, lane);
+  if (a.partial_dbias != nullptr) write_block_partials(a, dbias, a.partial_dbias, combine_buf, group, lane);
+}
+
+// Long-row path, persistent: one block of kMaxRowThreads per row, striding over rows; thread t handles packs
+// t, t + blockDim, ... Pass 1 reads grad_out and saved for the row sums; pass 2 reads them again (mostly
+// from L2), writes grad_input and adds the dweight / dbias terms into the block's own row of the partial
+// buffers, which only thread t ever touches at its columns (no atomics; zeroed before the launch).
+template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec>
+__global__ void __launch_bounds__(kMaxRowThreads) backward_long_kernel(BackwardArgs<acc_t<Ts>> a) {
+  using A = acc_t<Ts>;
+  __shared__ Sums<A> scratch[kMaxRowThreads / 32];
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    A mean, rstd;
+    row_stats(a, row, kRms, &mean, &rstd);
+    Sums<A> s{A(0), A(0)};
+    for (int64_t col_unit = threadIdx.x; col_unit < a.units; col_unit += blockDim.x) {
+      A dy[kVec], xhat[kVec], g[kVec];
+      backward_load<Tg, Ts, Tw, kRms, A, kVec>(a, row, col_unit, mean, rstd, dy, xhat, g);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        s.a += g[j];
+        s.b += g[j] * xhat[j];
+      }
+    }
+    s = row_allreduce(s, static_cast<int>(blockDim.x), scratch);
+    const A inv_cols = A(1) / static_cast<A>(a.cols);
+    for (int64_t col_unit = threadIdx.x; col_unit < a.units; col_unit += blockDim.x) {
+      A dy[kVec], xhat[kVec], g[kVec];
+      backward_load<Tg, Ts, Tw, kRms, A, kVec>(a, row, col_unit, mean, rstd, dy, xhat, g);
+      backward_store<Ts, kRms, A, kVec>(a, row, col_unit, rstd, s.a * inv_cols, s.b * inv_cols, xhat, g);
+      const int64_t col = col_unit * kVec;
+      if (a.partial_dweight != nullptr) {
+        A* pw = a.partial_dweight + blockIdx.x * a.cols + col;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) pw[j] += dy[j] * xhat[j];
+      }
+      if (a.partial_dbias != nullptr) {
+        A* pb = a.partial_dbias + blockIdx.x * a.cols + col;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) pb[j] += dy[j];
+      }
+    }
+  }
+}
+
+constexpr int kReduceColumns = 32;  // columns per block of reduce_partials_kernel
+constexpr int kReduceSlices = 16;   // threads per column, each summing every kReduceSlices-th partial row
+
+// Sum the [parts, cols] partial buffer over parts into a [cols] output of the parameters' dtype. Thread
+// (x, y) of a (32, 16) block sums partial rows y, y + 16, ... of column blockIdx.x * 32 + x in order; the 16
+// slice sums are then added in slice order. The order is fixed by the shape: the same bits on every run.
+template <typename Tw, typename A>
+__global__ void reduce_partials_kernel(const A* partial, void* out, int64_t parts, int64_t cols) {
+  __shared__ A slices[kReduceSlices][kReduceColumns];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kReduceColumns + threadIdx.x;
+  A sum = A(0);
+  if (col < cols) {
+    for (int64_t part = threadIdx.y; part < parts; part += kReduceSlices) sum += partial[part * cols + col];
+  }
+  slices[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    A total = slices[0][threadIdx.x];
+    for (int y = 1; y < kReduceSlices; ++y) total += slices[y][threadIdx.x];
+    static_cast<Tw*>(out)[col] = from_acc<Tw>(total);
+  }
+}
+
+// ---- host side: planning and launching -------------------------------------------------------------------
+
+struct RowPlan {
+  bool long_path = false;
+  int lanes = 0;           // threads per row
+  int rows_per_block = 1;  // > 1 only when lanes <= 32
+  int packs = 0;           // packs per lane (register paths)
+};
+
+// Choose the register mapping for rows of `units` packs, with at most max_packs packs per lane; a long path
+// when even kMaxRowThreads lanes cannot hold the row.
+inline RowPlan plan_rows(int64_t units, int max_packs) {
+  RowPlan plan;
+  const int small_packs = std::min(max_packs, 4);
+  if (units <= 32 * small_packs) {
+    int lanes = 4;
+    while (lanes < 32 && static_cast<int64_t>(lanes) * small_packs < units) lanes *= 2;
+    int packs = 1;
+    while (static_cast<int64_t>(packs) * lanes < units) packs *= 2;
+    plan.lanes = lanes;
+    plan.packs = packs;
+    plan.rows_per_block = kSmallRowsBlock / lanes;
+    return plan;
+  }
+  int64_t best_waste = -1;
+  for (int packs : {4, 2, 8, 1}) {  // ties go to the earlier entry: 4 packs balance registers and lanes
+    if (packs > max_packs) continue;
+    const int64_t lanes = (units + packs - 1) / packs;
+    const int64_t lanes_rounded = (lanes + 31) / 32 * 32;
+    if (lanes_rounded > kMaxRowThreads) continue;
+    const int64_t waste = lanes_rounded * packs - units;
+    if (best_waste < 0 || waste < best_waste) {
+      best_waste = waste;
+      plan.lanes = static_cast<int>(lanes_rounded);
+      plan.packs = packs;
+    }
+  }
+  if (best_waste < 0) plan.long_path = true;
+  return plan;
+}
+
+// Packs per lane a kernel may hold: the forward keeps one row (<= 32 values per lane), the backward three
+// rows and two partial rows (<= 16 values per lane); half that in double.
+template <typename A, int kVec>
+constexpr int max_packs(bool backward) {
+  constexpr bool kDouble = std::is_same_v<A, double>;
+  const int values = backward ? (kDouble ? 8 : 16) : (kDouble ? 16 : 32);
+  const int packs = values / kVec;
+  return packs < 8 ? packs : 8;
+}
+
+inline bool aligned(const void* p, size_t bytes) {
+  return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+inline int device_attribute(cudaDeviceAttr attr) {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  int value = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
+  return value;
+}
+
+inline int64_t grid_for(int64_t groups) { return std::max<int64_t>(1, std::min<int64_t>(groups, 1 << 30)); }
+
+// Persistent grids: as many blocks as fit on the GPU at once, no more than there are row groups.
+template <typename Kernel>
+int64_t persistent_grid(Kernel kernel, int threads, size_t smem, int64_t groups) {
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * device_attribute(cudaDevAttrMultiProcessorCount);
+  return std::max<int64_t>(1, std::min(groups, resident));
+}
+
+inline size_t residual_size(ScalarType t) { return c10::elementSize(t); }
+
+template <int kMaxPacks, typename F>
+void with_packs(int packs, F&& f) {
+  switch (packs) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: if constexpr (kMaxPacks >= 2) { f(std::integral_constant<int, 2>{}); break; } [[fallthrough]];
+    case 4: if constexpr (kMaxPacks >= 4) { f(std::integral_constant<int, 4>{}); break; } [[fallthrough]];
+    case 8: if constexpr (kMaxPacks >= 8) { f(std::integral_constant<int, 8>{}); break; } [[fallthrough]];
+    default: TORCH_INTERNAL_ASSERT(false, "layernorm_ext: no kernel for ", packs, " packs per lane");
+  }
+}
+
+template <typename Tin, typename Th, typename Tw, bool kRms, int kVec>
+void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
+  using A = acc_t<Th>;
+  ForwardArgs<A> a;
+  a.input = p.input;
+  a.residual = p.residual;
+  a.weight = p.weight;
+  a.bias = p.bias;
+  a.out = p.out;
+  a.residual_out = p.residual_out;
+  a.mean = static_cast<A*>(p.mean);
+  a.rstd = static_cast<A*>(p.rstd);
+  a.rows = p.rows;
+  a.cols = p.cols;
+  a.units = p.cols / kVec;
+  a.eps = static_cast<A>(p.eps);
+  a.residual_type = p.residual_type;
+  constexpr int kMax = max_packs<A, kVec>(false);
+  const RowPlan plan = plan_rows(a.units, kMax);
+  if (!plan.long_path) {
+    a.lanes = plan.lanes;
+    a.rows_per_block = plan.rows_per_block;
+    const int threads = plan.lanes * plan.rows_per_block;
+    const int64_t grid = grid_for((p.rows + plan.rows_per_block - 1) / plan.rows_per_block);
+    with_packs<kMax>(plan.packs, [&](auto packs) {
+      forward_rows_kernel<Tin, Th, Tw, kRms, kVec, decltype(packs)::value>
+          <<<static_cast<unsigned>(grid), threads, 0, stream>>>(a);
+    });
+  } else {
+    a.lanes = kMaxRowThreads;
+    a.rows_per_block = 1;
+    auto kernel = forward_long_kernel<Tin, Th, Tw, kRms, kVec>;
+    const size_t stage = static_cast<size_t>(p.cols) * sizeof(A);
+    const bool staged = stage <= static_cast<size_t>(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin)) -
+                                     sizeof(Welford<A>) * (kMaxRowThreads / 32);
+    if (staged) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(stage)));
+    }
+    kernel<<<static_cast<unsigned>(grid_for(p.rows)), kMaxRowThreads, staged ? stage : 0, stream>>>(a, staged);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename Tin, typename Th, typename Tw>
+void launch_forward(const NormForwardParams& p) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  constexpr int kVec = 16 / sizeof(Tin) < 8 ? 16 / sizeof(Tin) : 8;
+  const bool vectorized = p.cols % kVec == 0 && aligned(p.input, sizeof(Tin) * kVec) &&
+                          aligned(p.out, sizeof(Tin) * kVec) && aligned(p.weight, std::min<size_t>(16, sizeof(Tw) * kVec)) &&
+                          aligned(p.bias, std::min<size_t>(16, sizeof(Tw) * kVec)) &&
+                          aligned(p.residual, std::min<size_t>(16, residual_size(p.residual_type) * kVec)) &&
+                          aligned(p.residual_out, std::min<size_t>(16, sizeof(Th) * kVec));
+  auto go = [&](auto rms) {
+    if (vectorized) {
+      launch_forward_vec<Tin, Th, Tw, decltype(rms)::value, kVec>(p, stream);
+    } else {
+      launch_forward_vec<Tin, Th, Tw, decltype(rms)::value, 1>(p, stream);
+    }
+  };
+  if (p.rms) go(std::true_type{});
+  else go(std::false_type{});
+}
+
+template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec>
+void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
+  using A = acc_t<Ts>;
+  BackwardArgs<A> a;
+  a.grad_out = p.grad_out;
+  a.grad_residual_out = p.grad_residual_out;
+  a.saved = p.saved;
+  a.mean = static_cast<const A*>(p.mean);
+  a.rstd = static_cast<const A*>(p.rstd);
+  a.weight = p.weight;
+  a.bias = p.bias;
+  a.grad_input = p.grad_input;
+  a.rows = p.rows;
+  a.cols = p.cols;
+  a.units = p.cols / kVec;
+  a.saved_is_output = p.saved_is_output;
+  constexpr int kMax = max_packs<A, kVec>(true);
+  const RowPlan plan = plan_rows(a.units, kMax);
+
+  int64_t grid = 0;
+  int threads = 0;
+  size_t smem = 0;
+  auto rows_kernel_for = [&](auto packs) {
+    return backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, decltype(packs)::value>;
+  };
+  if (!plan.long_path) {
+    a.lanes = plan.lanes;
+    a.rows_per_block = plan.rows_per_block;
+    threads = plan.lanes * plan.rows_per_block;
+    smem = plan.rows_per_block > 1 ? static_cast<size_t>(threads) * plan.packs * kVec * sizeof(A) : 0;
+    const int64_t groups = (p.rows + plan.rows_per_block - 1) / plan.rows_per_block;
+    with_packs<kMax>(plan.packs, [&](auto packs) { grid = persistent_grid(rows_kernel_for(packs), threads, smem, groups); });
+  } else {
+    a.lanes = kMaxRowThreads;
+    a.rows_per_block = 1;
+    threads = kMaxRowThreads;
+    grid = persistent_grid(backward_long_kernel<Tg, Ts, Tw, kRms, kVec>, threads, 0, p.rows);
+  }
+
+  // Partial buffers, [grid, cols] each, from the caching allocator on the current stream (graph-safe).
+  const bool want_dweight = p.grad_weight != nullptr;
+  const bool want_dbias = !kRms && p.grad_bias != nullptr;
+  const size_t partial_bytes = static_cast<size_t>(grid) * p.cols * sizeof(A);
+  c10::DataPtr workspace;
+  if (want_dweight || want_dbias) {
+    workspace = c10::cuda::CUDACachingAllocator::get()->allocate(partial_bytes * 2);
+    A* base = static_cast<A*>(workspace.get());
+    a.partial_dweight = want_dweight ? base : nullptr;
+    a.partial_dbias = want_dbias ? base + static_cast<size_t>(grid) * p.cols : nullptr;
+    if (plan.long_path) C10_CUDA_CHECK(cudaMemsetAsync(base, 0, partial_bytes * 2, stream));
+  } else {
+    a.partial_dweight = nullptr;
+    a.partial_dbias = nullptr;
+  }
+
+  if (!plan.long_path) {
+    with_packs<kMax>(plan.packs, [&](auto packs) {
+      rows_kernel_for(packs)<<<static_cast<unsigned>(grid), threads, smem, stream>>>(a);
+    });
+  } else {
+    backward_long_kernel<Tg, Ts, Tw, kRms, kVec><<<static_cast<unsigned>(grid), threads, 0, stream>>>(a);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  const dim3 reduce_block(kReduceColumns, kReduceSlices);
+  const unsigned reduce_grid = static_cast<unsigned>((p.cols + kReduceColumns - 1) / kReduceColumns);
+  if (want_dweight) {
+    reduce_partials_kernel<Tw, A><<<reduce_grid, reduce_block, 0, stream>>>(a.partial_dweight, p.grad_weight, grid, p.cols);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (want_dbias) {
+    reduce_partials_kernel<Tw, A><<<reduce_grid, reduce_block, 0, stream>>>(a.partial_dbias, p.grad_bias, grid, p.cols);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+template <typename Tg, typename Ts, typename Tw>
+void launch_backward(const NormBackwardParams& p) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  constexpr int kVec = 16 / sizeof(Tg) < 8 ? 16 / sizeof(Tg) : 8;
+  const bool vectorized = p.cols % kVec == 0 && aligned(p.grad_out, sizeof(Tg) * kVec) &&
+                          aligned(p.saved, std::min<size_t>(16, sizeof(Ts) * kVec)) &&
+                          aligned(p.grad_input, std::min<size_t>(16, sizeof(Ts) * kVec)) &&
+                          aligned(p.grad_residual_out, std::min<size_t>(16, sizeof(Ts) * kVec)) &&
+                          aligned(p.weight, std::min<size_t>(16, sizeof(Tw) * kVec)) &&
+                          aligned(p.bias, std::min<size_t>(16, sizeof(Tw) * kVec));
+  auto go = [&](auto rms) {
+    if (vectorized) {
+      launch_backward_vec<Tg, Ts, Tw, decltype(rms)::value, kVec>(p, stream);
+    } else {
+      launch_backward_vec<Tg, Ts, Tw, decltype(rms)::value, 1>(p, stream);
+    }
+  };
+  if (p.rms) go(std::true_type{});
+  else go(std::false_type{});
+}
+
+// ---- dtype dispatch --------------------------------------------------------------------------------------
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// Calls f(Tag<Th>{}, Tag<Tw>{}) for the compiled combinations with input (or grad_out) dtype Tin: the row
+// dtype is Tin, float32 (for half inputs) or float64; the parameters are Tin's or float32 (for half inputs).
+template <typename Tin, typename F>
+void dispatch_row_and_param_types(ScalarType row_type, ScalarType param_type, F&& f) {
+  constexpr bool kHalfInput = std::is_same_v<Tin, __half> || std::is_same_v<Tin, __nv_bfloat16>;
+  auto with_param = [&](auto row_tag) {
+    if (kHalfInput && param_type == ScalarType::Float) {
+      if constexpr (kHalfInput) f(row_tag, Tag<float>{});
+    } else {
+      f(row_tag, Tag<Tin>{});
+    }
+  };
+  if (row_type == ScalarType::Double) {
+    with_param(Tag<double>{});
+  } else if (row_type == ScalarType::Float) {
+    if constexpr (!std::is_same_v<Tin, double>) with_param(Tag<float>{});
+    else TORCH_INTERNAL_ASSERT(false, "layernorm_ext: float64 input with float32 rows");
+  } else {
+    if constexpr (kHalfInput) with_param(Tag<Tin>{});
+    else TORCH_INTERNAL_ASSERT(false, "layernorm_ext: half rows for a wider input");
+  }
+}
+
+template <typename Tin>
+void forward_for_input(const NormForwardParams& p) {
+  dispatch_row_and_param_types<Tin>(p.h_type, p.weight_type, [&](auto h_tag, auto w_tag) {
+    launch_forward<Tin, typename decltype(h_tag)::type, typename decltype(w_tag)::type>(p);
+  });
+}
+
+template <typename Tg>
+void backward_for_grad(const NormBackwardParams& p) {
+  dispatch_row_and_param_types<Tg>(p.saved_type, p.weight_type, [&](auto s_tag, auto w_tag) {
+    launch_backward<Tg, typename decltype(s_tag)::type, typename decltype(w_tag)::type>(p);
+  });
+}
+
+}  // namespace cuda
+}  // namespace layernorm_ext
