@@ -257,7 +257,9 @@ def test_modes(spec: Spec) -> None:
 # ---- CUDA graphs ----------------------------------------------------------------------------------------------
 
 
-def _cuda_randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0, shift: float = 0.0) -> Tensor:
+def _cuda_randn(
+    gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0, shift: float = 0.0
+) -> Tensor:
     return (torch.randn(shape, generator=gen, device=CUDA, dtype=torch.float32) * scale + shift).to(dtype)
 
 
