@@ -4,6 +4,7 @@
     python benchmarks/bench.py --device cpu --threads 1,2 --out benchmarks/RESULTS.md --plot benchmarks/cpu_fwd.png
     python benchmarks/bench.py --device cuda
     python benchmarks/bench.py --quick                       # smoke run, about a minute
+    python benchmarks/bench.py --gpu-check --out gpu.md       # the GPU check's sweep (benchmarks/gpu_check.sh)
 
 Every case is one (op, dtype, N, size, mode, threads): op in layer_norm, rms_norm, add_layer_norm, add_rms_norm;
 rows of N elements, M rows chosen so that x is about --small-mb (cache-resident) or --big-mb (far beyond L3);
@@ -29,7 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -43,10 +44,18 @@ DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
 NS = (256, 512, 768, 1024, 2048, 4096, 5120, 8192, 16384, 65536)
 MODES = ("fwd", "fwdbwd")
 SIZES = ("small", "big")
-PEERS = ("aten", "compile", "ort")
+PEERS = ("aten", "compile", "ort", "liger", "quack")
+CPU_IMPLS = ("ours", "aten", "compile", "ort")  # default implementations per device (Liger, Quack: CUDA only)
+CUDA_IMPLS = ("ours", "aten", "compile", "liger", "quack")
 IMPLS = ("ours", *PEERS)
 REFS = ("copy", "copy_out")  # bandwidth references, measured once per (threads, dtype, size, N)
-LABELS = {"ours": "ours", "aten": "ATen", "compile": "compile", "ort": "ORT", "copy": "copy", "copy_out": "copy_out"}
+LABELS = {"ours": "ours", "aten": "ATen", "compile": "compile", "ort": "ORT", "liger": "Liger", "quack": "Quack",
+          "copy": "copy", "copy_out": "copy_out"}  # fmt: skip
+# --gpu-check: row lengths, at M >= 8192 rows (fewer where x would exceed --max-mb)
+GPU_CHECK_NS = (256, 512, 768, 1024, 2048, 4096, 5120, 8192, 16384, 32768, 65536, 131072, 262144)
+DECODE_MS = (1, 2, 4, 8, 16)
+DECODE_NS = (4096, 8192)
+DECODE_OPS = ("rms_norm", "add_rms_norm", "layer_norm")
 LN_EPS = 1e-5
 RMS_EPS = torch.finfo(torch.float32).eps  # what eps=None means for float32/float16/bfloat16 in ATen and ours
 
@@ -103,6 +112,15 @@ class Case:
 def rows_for(n: int, dtype: str, megabytes: float) -> int:
     """M such that x (M x N) holds about `megabytes` MiB."""
     return max(1, round(megabytes * 2**20 / (n * DTYPES[dtype].itemsize)))
+
+
+def case_rows(n: int, dtype: str, size: str, opts: argparse.Namespace) -> int:
+    """M for a case: x of about --small-mb / --big-mb MiB; the big size has at least --min-rows rows, unless x
+    would then exceed --max-mb MiB."""
+    if size == "small":
+        return rows_for(n, dtype, opts.small_mb)
+    m = max(rows_for(n, dtype, opts.big_mb), opts.min_rows)
+    return min(m, rows_for(n, dtype, opts.max_mb)) if opts.max_mb else m
 
 
 @dataclass(frozen=True)
@@ -351,6 +369,56 @@ def ort_to_torch(value: object, dtype: torch.dtype) -> Tensor:
     return torch.frombuffer(bytearray(buf), dtype=dtype).reshape(shape)
 
 
+# ---- Liger-Kernel and QuACK (CUDA, when importable) ---------------------------------------------------------
+
+
+def _cuda_only(impl: str, x: Tensor) -> None:
+    if x.device.type != "cuda":
+        raise Unsupported(f"{impl}: CUDA only")
+
+
+def liger_fn(op: str) -> NormFn:
+    """Liger-Kernel's Triton LayerNorm / RMSNorm autograd functions (RMSNorm: casting_mode 'llama', not in place,
+    so dY is left intact as for every other implementation). Residual variants: x + r, then the norm."""
+    try:
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except ImportError as e:
+        raise Unsupported("liger_kernel not installed") from e
+
+    def norm(h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        if "rms" in op:
+            return LigerRMSNormFunction.apply(h, w, RMS_EPS, 0.0, "llama", False)
+        return LigerLayerNormFunction.apply(h, w, b, LN_EPS)
+
+    def fn(x: Tensor, r: Tensor | None, w: Tensor, b: Tensor | None) -> Outputs:
+        if r is None:
+            return (norm(x, w, b),)
+        h = x + r
+        return norm(h, w, b), h
+
+    return fn
+
+
+def quack_fn(op: str) -> NormFn:
+    """QuACK's CuTe-DSL RMSNorm (``quack.rmsnorm``; the residual variant fused, prenorm=True). RMSNorm only."""
+    if "rms" not in op:
+        raise Unsupported("quack: RMSNorm only in this harness")
+    try:
+        from quack import rmsnorm
+    except ImportError as e:
+        raise Unsupported("quack not installed") from e
+    if op == "rms_norm":
+        return lambda x, r, w, b: (rmsnorm(x, w, eps=RMS_EPS),)
+    return lambda x, r, w, b: tuple(rmsnorm(x, w, residual=r, eps=RMS_EPS, prenorm=True))
+
+
+def peer_fn(impl: str, op: str) -> NormFn:
+    if impl in ("ours", "aten"):
+        return (OURS if impl == "ours" else ATEN)[op]
+    return liger_fn(op) if impl == "liger" else quack_fn(op)
+
+
 def build_call(impl: str, case: Case, args: Args, opts: argparse.Namespace) -> Call:
     if impl == "ours":
         return norm_call(OURS[case.op], args, case.mode)
@@ -360,6 +428,9 @@ def build_call(impl: str, case: Case, args: Args, opts: argparse.Namespace) -> C
         return compiled_call(case, args, opts.compile_static)
     if impl == "ort":
         return ort_call(case, args)
+    if impl in ("liger", "quack"):
+        _cuda_only(impl, args.x)
+        return norm_call(peer_fn(impl, case.op), args, case.mode)
     if impl == "copy":
         return copy_call(args.x)
     if impl == "copy_out":
@@ -442,6 +513,93 @@ def reps_for(seconds: float, budget: Budget) -> int:
     return min(reps, max(1, math.floor(budget.cap_s / max(seconds, 1e-9))))
 
 
+def copy_peak_gbps(device: torch.device, megabytes: int = 1024, reps: int = 20) -> float:
+    """C: device-to-device copy bandwidth, GB/s counting bytes read plus written; median of `reps` copies of
+    `megabytes` MiB into a preallocated buffer (far beyond L2, so the L2 flush is moot)."""
+    src = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device).random_(0, 256)
+    dst = torch.empty_like(src)
+    timer = CudaTimer(device)
+    timer(lambda: dst.copy_(src), 3)  # warm-up
+    times = timer(lambda: dst.copy_(src), reps)
+    return 2 * src.numel() / statistics.median(times) / 1e9
+
+
+@dataclass
+class DecodeRow:
+    op: str
+    m: int
+    n: int
+    eager_us: dict[str, float | None]  # implementation -> microseconds per call, host included
+    graph_us: dict[str, float | None]  # implementation -> microseconds per call replayed from a CUDA graph
+
+
+def decode_eager_us(fn: Call, reps: int = 200) -> float:
+    """Wall-clock microseconds per call of `reps` back-to-back calls (host dispatch included), then a sync."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps * 1e6
+
+
+def decode_graph_us(fn: Call, calls: int = 20, replays: int = 20) -> float:
+    """GPU microseconds per call: `calls` calls captured in one CUDA graph, replayed `replays` times between
+    two CUDA events (no host dispatch, no launch gaps; inputs and weights stay in L2)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) * 1e3 / (replays * calls)
+
+
+def run_decode(opts: argparse.Namespace, device: torch.device, log: Log) -> list[DecodeRow]:
+    """Decode-sized calls (M = 1..16 rows, bf16, forward only): latency per call, eager and from a CUDA graph."""
+    impls = [i for i in ("ours", "aten", "liger", "quack") if i in opts.impls]
+    rows = []
+    for n in DECODE_NS:
+        for m in DECODE_MS:
+            data = make_data(m, n, torch.bfloat16, device, opts.seed)
+            for op in DECODE_OPS:
+                case = Case(op, "bf16", n, m, "decode", "fwd", 1)
+                args = case_args(data, case)
+                eager: dict[str, float | None] = {}
+                graph: dict[str, float | None] = {}
+                for impl in impls:
+                    try:
+                        fn = norm_call(peer_fn(impl, op), args, "fwd")
+                        eager[impl] = decode_eager_us(fn)
+                    except Unsupported as e:
+                        log.skip(impl, str(e))
+                        continue
+                    except Exception as e:  # noqa: BLE001
+                        log.failed(impl, case, e)
+                        continue
+                    try:
+                        graph[impl] = decode_graph_us(fn)
+                    except Exception as e:  # noqa: BLE001  (a peer that cannot be captured is reported)
+                        log.failed(impl, replace(case, size="decode graph"), e)
+                        graph[impl] = None
+                rows.append(DecodeRow(op, m, n, eager, graph))
+                cells = ", ".join(f"{LABELS[i]} {v:.1f}/{fmt(graph.get(i), '.1f')}" for i, v in eager.items())
+                print(f"  decode {op} M={m} N={n}: {cells} us (eager/graph)", file=sys.stderr)
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------- measuring
 
 
@@ -492,17 +650,17 @@ def check(impl: str, result: object, reference: Tensor, case: Case, log: Log) ->
 def prepare(
     impls: Iterable[str], case: Case, args: Args, opts: argparse.Namespace, timer: Timer, log: Log
 ) -> dict[str, Call]:
-    """Build each implementation and run it once, untimed: compile, ORT session setup, first touch; the output
-    is checked against ATen in small forward cases. At the big size ours, ATen and the copies skip that call
-    (each call takes long and has nothing to set up; the small size ran the same code first). Implementations
-    that cannot run this case are left out (and logged)."""
+    """Build each implementation and run it once, untimed: compile, ORT session setup, Triton JIT, first touch;
+    the output is checked against ATen in small forward cases. At the big size ours, ATen and the copies skip
+    that call when the small size ran the same code first (each call takes long and has nothing to set up).
+    Implementations that cannot run this case are left out (and logged)."""
     calls: dict[str, Call] = {}
     reference: Tensor | None = None
     for impl in sorted(impls, key=lambda i: i != "aten"):  # ATen first: its output is the reference
         start = time.perf_counter()
         try:
             fn = build_call(impl, case, args, opts)
-            if case.size == "big" and impl not in ("compile", "ort"):
+            if case.size == "big" and "small" in opts.sizes and impl not in ("compile", "ort", "liger", "quack"):
                 calls[impl] = fn
                 continue
             result = fn()
@@ -578,7 +736,7 @@ def run_all(opts: argparse.Namespace, device: torch.device, timer: Timer, log: L
     started = time.perf_counter()
     for dtype in opts.dtypes:
         for n in opts.ns:
-            ms = {size: rows_for(n, dtype, opts.small_mb if size == "small" else opts.big_mb) for size in opts.sizes}
+            ms = {size: case_rows(n, dtype, size, opts) for size in opts.sizes}
             datas = {size: make_data(m, n, DTYPES[dtype], device, opts.seed) for size, m in ms.items()}
             for threads in opts.threads:
                 torch.set_num_threads(threads)
@@ -640,10 +798,14 @@ def present_peers(rows: list[Row]) -> list[str]:
     return [p for p in PEERS if any(r.seconds.get(p) is not None for r in rows)]
 
 
-def detail_table(rows: list[Row]) -> list[str]:
+def detail_table(rows: list[Row], peak: float | None = None) -> list[str]:
+    """Per case: GB/s of each, speed ratios, ours/copy; with `peak` (the copy bandwidth C), every
+    implementation's GB/s as a fraction of C."""
     peers = present_peers(rows)
     head = ["op", "dtype", "N", "M", "ours", *(LABELS[p] for p in peers), *REFS]
     head += [f"ours/{LABELS[p]}" for p in peers] + ["ours/copy"]
+    if peak:
+        head += [f"{LABELS[i]}/C" for i in ("ours", *peers)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     order = {op: i for i, op in enumerate(OPS)} | {d: i for i, d in enumerate(DTYPES)}
     for row in sorted(rows, key=lambda r: (order[r.case.op], order[r.case.dtype], r.case.n)):
@@ -652,14 +814,29 @@ def detail_table(rows: list[Row]) -> list[str]:
         cells += [fmt(row.gbps(p), ".1f") for p in (*peers, *REFS)]
         cells += [fmt(ratio(ours, row.gbps(p)), ".2f") for p in peers]
         cells.append(percent(ratio(ours, row.gbps("copy"))))
+        if peak:
+            cells += [percent(ratio(row.gbps(i), peak)) for i in ("ours", *peers)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-def summary_table(groups: dict[tuple[int, str, str], list[Row]]) -> list[str]:
-    """Per section, op and dtype: geometric mean over N of ours/peer (speed ratio) and of ours/copy."""
+def decode_table(rows: list[DecodeRow]) -> list[str]:
+    impls = [i for i in ("ours", "aten", "liger", "quack") if any(r.eager_us.get(i) is not None for r in rows)]
+    head = ["op", "N", "M"] + [f"{LABELS[i]} eager" for i in impls] + [f"{LABELS[i]} graph" for i in impls]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r.op, str(r.n), str(r.m)]
+        cells += [fmt(r.eager_us.get(i), ".1f") for i in impls] + [fmt(r.graph_us.get(i), ".2f") for i in impls]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def summary_table(groups: dict[tuple[int, str, str], list[Row]], peak: float | None = None) -> list[str]:
+    """Per section, op and dtype: geometric mean over N of ours/peer (speed ratio) and of ours/copy (and of
+    ours/C with the copy bandwidth `peak`)."""
     peers = [p for p in PEERS if any(p in present_peers(rows) for rows in groups.values())]
     head = ["threads", "mode", "size", "op", "dtype", *(f"ours/{LABELS[p]}" for p in peers), "ours/copy"]
+    head += ["ours/C"] if peak else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (threads, mode, size), rows in groups.items():
         for op in OPS:
@@ -670,6 +847,8 @@ def summary_table(groups: dict[tuple[int, str, str], list[Row]]) -> list[str]:
                 cells = [str(threads), mode, size, op, dtype]
                 cells += [fmt(geomean(ratio(r.gbps("ours"), r.gbps(p)) for r in sub), ".2f") for p in peers]
                 cells.append(percent(geomean(ratio(r.gbps("ours"), r.gbps("copy")) for r in sub)))
+                if peak:
+                    cells.append(percent(geomean(ratio(r.gbps("ours"), peak) for r in sub)))
                 lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -725,7 +904,7 @@ def method_notes(opts: argparse.Namespace, device: torch.device, log: Log, wall_
     if device.type == "cuda":
         timing = (
             f"CUDA events around each call; before each call a write of 2x the L2 size evicts the data from L2 "
-            f"(so 'small' is L2-cold too); median of >= {opts.budget.min_reps} calls"
+            f"(so 'small' is L2-cold too); median of {opts.budget.min_reps}..{opts.budget.max_reps} calls"
         )
     else:
         b = opts.budget
@@ -759,6 +938,28 @@ def method_notes(opts: argparse.Namespace, device: torch.device, log: Log, wall_
         f"- Setup time outside the timing (compiles, ORT sessions, first calls): {setup}.",
         f"- Run time: {wall_s / 60:.1f} min.",
     ]
+    if device.type == "cuda":
+        lines.append(
+            "- CUDA peers: Liger = liger_kernel's LigerLayerNormFunction / LigerRMSNormFunction (casting_mode "
+            "'llama', not in place), residual variants as `x + r` then the norm; Quack = `quack.rmsnorm` (RMSNorm "
+            "only; the residual variant fused with prenorm=True). Each is skipped when not importable."
+        )
+    if opts.peak_gbps:
+        lines.append(
+            f"- C = {opts.peak_gbps:.0f} GB/s: device-to-device copy bandwidth (a 1 GiB `copy_` into a preallocated "
+            "buffer, bytes read + written, median of 20). 'X/C' columns: X's GB/s as a fraction of C."
+        )
+    if opts.decode:
+        lines.append(
+            "- Decode table: bf16, forward only, M rows of N. 'eager' = wall-clock microseconds per call over 200 "
+            "back-to-back calls, host dispatch included; 'graph' = GPU microseconds per call, 20 calls captured in "
+            "a CUDA graph and replayed between CUDA events (inputs and weights stay in L2)."
+        )
+    if opts.min_rows or opts.max_mb:
+        lines.append(
+            f"- Big size: x of about {opts.big_mb:g} MiB, at least {opts.min_rows} rows, but x at most "
+            f"{opts.max_mb:g} MiB (fewer rows for the longest rows)."
+        )
     if log.mismatches:
         lines.append(f"- **Output mismatches vs ATen ({len(log.mismatches)}):** " + "; ".join(log.mismatches[:20]))
     for impl, reasons in sorted(log.reasons.items()):
@@ -770,7 +971,14 @@ def command_line() -> str:
     return "python benchmarks/bench.py " + shlex.join(sys.argv[1:])
 
 
-def report(rows: list[Row], opts: argparse.Namespace, device: torch.device, log: Log, wall_s: float) -> str:
+def report(
+    rows: list[Row],
+    opts: argparse.Namespace,
+    device: torch.device,
+    log: Log,
+    wall_s: float,
+    decode: list[DecodeRow] | None = None,
+) -> str:
     groups = sections(rows)
     lines = [
         f"# layernorm_ext benchmark ({device.type})",
@@ -791,10 +999,13 @@ def report(rows: list[Row], opts: argparse.Namespace, device: torch.device, log:
         "",
         "## Summary (geometric mean over N)",
         "",
-        *summary_table(groups),
+        *summary_table(groups, opts.peak_gbps),
     ]
     for key, sub in groups.items():
-        lines += ["", f"## {section_title(key, opts)}", "", "GB/s, higher is better.", "", *detail_table(sub)]
+        lines += ["", f"## {section_title(key, opts)}", "", "GB/s, higher is better.", ""]
+        lines += detail_table(sub, opts.peak_gbps)
+    if decode:
+        lines += ["", "## decode: microseconds per call (lower is better)", "", *decode_table(decode)]
     return "\n".join(lines) + "\n"
 
 
@@ -871,7 +1082,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", type=csv(str, SIZES), default=list(SIZES))
     p.add_argument("--small-mb", type=float, default=1.0, help="MiB of x for the cache-resident size (default 1)")
     p.add_argument("--big-mb", type=float, default=None, help="MiB of x for the big size (default 64; cuda 256)")
-    p.add_argument("--impls", type=csv(str, IMPLS), default=list(IMPLS), help="ours,aten,compile,ort (copy: always)")
+    p.add_argument("--impls", type=csv(str, IMPLS), default=None,
+                   help="ours,aten,compile,ort,liger,quack (copy: always; default: cpu without Liger and Quack, "
+                   "cuda without ORT)")
+    p.add_argument("--min-rows", type=int, default=0, help="big size: at least this many rows")
+    p.add_argument("--max-mb", type=float, default=0.0, help="big size: but x at most this many MiB (0: no cap)")
+    p.add_argument("--decode", action="store_true", help="cuda: add the decode latency table (M 1..16)")
+    p.add_argument("--gpu-check", action="store_true",
+                   help="the GPU check's sweep (cuda): N 256..262144, bf16 and fp32, layer_norm, rms_norm and "
+                   "add_rms_norm, M >= 8192 rows with x <= 1 GiB, ours/ATen/Liger/Quack, few calls, copy "
+                   "bandwidth C, decode table; about two minutes on an H200")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     p.add_argument("--compile-static", action="store_true", help="compile M static too (one compile per shape)")
     p.add_argument("--target-s", type=float, default=None, help="timed seconds per implementation and case")
@@ -890,8 +1110,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def resolve(opts: argparse.Namespace) -> argparse.Namespace:
     """Fill the defaults that depend on --quick and --device."""
+    if opts.gpu_check:
+        opts.device = "cuda"
+        opts.ns = opts.ns or list(GPU_CHECK_NS)
+        opts.dtypes = ["bf16", "fp32"] if opts.dtypes == list(DTYPES) else opts.dtypes
+        opts.ops = ["layer_norm", "rms_norm", "add_rms_norm"] if opts.ops == list(OPS) else opts.ops
+        opts.sizes = ["big"] if opts.sizes == list(SIZES) else opts.sizes
+        opts.impls = opts.impls or ["ours", "aten", "liger", "quack"]
+        opts.min_rows = opts.min_rows or 8192
+        opts.max_mb = opts.max_mb or 1024.0
+        opts.target_s = opts.target_s or 0.01
+        opts.min_reps = opts.min_reps or 10
+        opts.max_reps = opts.max_reps or 100
+        opts.decode = True
     cuda = opts.device == "cuda"
     q = opts.quick
+    opts.impls = opts.impls or list(CUDA_IMPLS if cuda else CPU_IMPLS)
+    opts.peak_gbps = None  # measured by main on CUDA
     opts.ns = opts.ns or ([512, 4096] if q else list(NS))
     opts.threads = sorted(set(opts.threads or ([1] if q or cuda else [1, len(os.sched_getaffinity(0))])))
     opts.big_mb = opts.big_mb or (8.0 if q else 256.0 if cuda else 64.0)
@@ -916,8 +1151,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     timer: Timer = CudaTimer(device) if device.type == "cuda" else CpuTimer()
     log = Log()
     started = time.perf_counter()
+    if device.type == "cuda":
+        opts.peak_gbps = copy_peak_gbps(device)
+        print(f"copy bandwidth C = {opts.peak_gbps:.0f} GB/s", file=sys.stderr)
     rows = run_all(opts, device, timer, log)
-    text = report(rows, opts, device, log, time.perf_counter() - started)
+    decode = run_decode(opts, device, log) if opts.decode and device.type == "cuda" else None
+    text = report(rows, opts, device, log, time.perf_counter() - started, decode)
     print(text)
     if opts.out:
         opts.out.parent.mkdir(parents=True, exist_ok=True)
