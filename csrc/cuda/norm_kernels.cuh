@@ -96,6 +96,13 @@ __device__ __forceinline__ void load_pack_dyn(const void* base, ScalarType type,
   }
 }
 
+// Correctly rounded reciprocal / reciprocal square root as single instructions: a division or 1 / sqrt would
+// call a slow-path subroutine whose call frame costs registers (and spills) in every kernel that holds a row.
+__device__ __forceinline__ float reciprocal(float v) { return __frcp_rn(v); }
+__device__ __forceinline__ double reciprocal(double v) { return __drcp_rn(v); }
+__device__ __forceinline__ float reciprocal_sqrt(float v) { return __frsqrt_rn(v); }
+__device__ __forceinline__ double reciprocal_sqrt(double v) { return ::rsqrt(v); }
+
 // ---- reductions ------------------------------------------------------------------------------------------
 
 // Welford state of a set of values: count, mean, sum of squared deviations from the mean.
@@ -109,7 +116,7 @@ template <typename A>
 __device__ __forceinline__ Welford<A> combine(const Welford<A>& a, const Welford<A>& b) {
   const A n = a.n + b.n;
   if (n == A(0)) return {A(0), A(0), A(0)};
-  const A b_share = b.n / n;
+  const A b_share = b.n * reciprocal(n);
   const A delta = b.mean - a.mean;
   return {n, a.mean + delta * b_share, a.m2 + b.m2 + delta * delta * a.n * b_share};
 }
@@ -174,6 +181,7 @@ struct ForwardArgs {
   int64_t rows;
   int64_t cols;
   int64_t units;  // cols / kVec
+  A inv_cols;     // 1 / cols, rounded once on the host
   A eps;
   ScalarType residual_type;
   int lanes;         // threads per row
@@ -222,10 +230,8 @@ __device__ __forceinline__ void normalize_store(const ForwardArgs<A>& a, int64_t
 template <bool kRms, typename A>
 __device__ __forceinline__ void finish_stats(const ForwardArgs<A>& a, int64_t row, bool writer, A mean_or_zero,
                                              A sum_sq_dev, A* mean_out, A* rstd_out) {
-  const A var = sum_sq_dev / static_cast<A>(a.cols);  // biased, as the norms define it
-  A rstd;
-  if constexpr (std::is_same_v<A, double>) rstd = 1.0 / sqrt(var + a.eps);
-  else rstd = 1.0f / sqrtf(var + a.eps);
+  const A var = sum_sq_dev * a.inv_cols;  // biased, as the norms define it
+  const A rstd = reciprocal_sqrt(var + a.eps);
   *mean_out = mean_or_zero;
   *rstd_out = rstd;
   if (writer) {
@@ -281,7 +287,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_rows_kernel(ForwardArg
 #pragma unroll
         for (int j = 0; j < kVec; ++j) sum += h[p][j];
       const A n = static_cast<A>(held * kVec);
-      const A mean = held > 0 ? sum / n : A(0);
+      const A mean = held > 0 ? sum * reciprocal(n) : A(0);
       A m2 = A(0);
 #pragma unroll
       for (int p = 0; p < kPacks; ++p) {
@@ -333,7 +339,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
         A sum = A(0);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) sum += h[j];
-        const A mean = sum / A(kVec);
+        const A mean = sum * (A(1) / A(kVec));  // kVec is a power of two: exact
         A m2 = A(0);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) m2 += (h[j] - mean) * (h[j] - mean);
@@ -384,6 +390,7 @@ struct BackwardArgs {
   int64_t rows;
   int64_t cols;
   int64_t units;
+  A inv_cols;
   bool saved_is_output;
   int lanes;
   int rows_per_block;
@@ -524,7 +531,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) backward_rows_kernel(BackwardA
       }
     }
     s = row_allreduce(s, a.lanes, scratch);
-    const A inv_cols = A(1) / static_cast<A>(a.cols);
+    const A inv_cols = a.inv_cols;
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
       const int64_t col_unit = static_cast<int64_t>(p) * a.lanes + lane;
@@ -569,7 +576,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) backward_long_kernel(BackwardA
       }
     }
     s = row_allreduce(s, static_cast<int>(blockDim.x), scratch);
-    const A inv_cols = A(1) / static_cast<A>(a.cols);
+    const A inv_cols = a.inv_cols;
     for (int64_t col_unit = threadIdx.x; col_unit < a.units; col_unit += blockDim.x) {
       A dy[kVec], xhat[kVec], g[kVec];
       backward_load<Tg, Ts, Tw, kRms, A, kVec>(a, row, col_unit, mean, rstd, dy, xhat, g);
@@ -654,13 +661,15 @@ inline RowPlan plan_rows(int64_t units, int max_packs) {
 }
 
 // Packs per lane a kernel may hold: the forward keeps one row (<= 32 values per lane), the backward three
-// rows and two partial rows (<= 16 values per lane); half that in double.
+// rows and two partial rows (<= 16 values per lane); half that in double. Unaligned rows (kVec = 1) use
+// at most 4 packs.
 template <typename A, int kVec>
 constexpr int max_packs(bool backward) {
   constexpr bool kDouble = std::is_same_v<A, double>;
   const int values = backward ? (kDouble ? 8 : 16) : (kDouble ? 16 : 32);
   const int packs = values / kVec;
-  return packs < 8 ? packs : 8;
+  const int cap = kVec == 1 ? 4 : 8;  // element-wise accesses: 8 separate 64-bit addresses per array spill
+  return packs < cap ? packs : cap;
 }
 
 inline bool aligned(const void* p, size_t bytes) {
@@ -714,6 +723,7 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
   a.rows = p.rows;
   a.cols = p.cols;
   a.units = p.cols / kVec;
+  a.inv_cols = static_cast<A>(1.0 / static_cast<double>(p.cols));
   a.eps = static_cast<A>(p.eps);
   a.residual_type = p.residual_type;
   constexpr int kMax = max_packs<A, kVec>(false);
@@ -777,6 +787,7 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
   a.rows = p.rows;
   a.cols = p.cols;
   a.units = p.cols / kVec;
+  a.inv_cols = static_cast<A>(1.0 / static_cast<double>(p.cols));
   a.saved_is_output = p.saved_is_output;
   constexpr int kMax = max_packs<A, kVec>(true);
   const RowPlan plan = plan_rows(a.units, kMax);
