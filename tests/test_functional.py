@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -355,8 +356,12 @@ class Result:
     saved: set[str]  # which of "input", "residual", "out", "residual_out" our forward saved for backward
 
 
-def run_case(spec: Spec, device: str) -> Result:
-    """Runs ``spec`` with our op and ATen; checks outputs and all gradients with the suite's rule."""
+def run_case(
+    spec: Spec, device: str, ours: Callable[[Spec, Inputs], tuple[Tensor, Tensor | None]] | None = None
+) -> Result:
+    """Runs ``spec`` with our op (or ``ours``: another implementation of it, e.g. the emulated CUDA kernels) and
+    ATen; checks outputs and all gradients with the suite's rule."""
+    ours = _ours if ours is None else ours
     inp = _make_inputs(spec, device)
     leaves = _leaves(inp)
     ptrs: list[int] = []  # storages our forward saves for backward
@@ -366,7 +371,7 @@ def run_case(spec: Spec, device: str) -> Result:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out, res_out = _ours(spec, inp)
+        out, res_out = ours(spec, inp)
     named = {"input": inp.x, "residual": inp.r, "out": out, "residual_out": res_out}
     saved = {k for k, t in named.items() if t is not None and t.numel() and t.untyped_storage().data_ptr() in ptrs}
     grads = _grads(spec, inp, out, res_out)

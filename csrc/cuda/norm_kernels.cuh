@@ -16,6 +16,13 @@
 // RMSNorm reduces the sum of squares. Accumulation in float (double for float64 rows).
 #pragma once
 
+//
+// Platform: the real CUDA toolchain, or (LAYERNORM_EXT_CUDA_EMULATION, tests only) a header that runs these
+// very kernels on the host, one std::thread per CUDA thread (tests/cuda_emulation/cuda_emulation.h). The
+// kernels reach the GPU only through LNX_LAUNCH, LNX_DYNAMIC_SHARED, current_stream() and workspace().
+#ifdef LAYERNORM_EXT_CUDA_EMULATION
+#include "cuda_emulation.h"  // found through the test build's include path
+#else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -23,6 +30,21 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
+
+// kernel<<<grid, block, shared bytes, stream>>>(args...)
+#define LNX_LAUNCH(kernel, grid, block, shared_bytes, stream) kernel<<<grid, block, shared_bytes, stream>>>
+// The block's dynamic shared memory as `unsigned char name[]`, 16-byte aligned.
+#define LNX_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+
+namespace layernorm_ext {
+namespace cuda {
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream(); }
+// Scratch memory from torch's caching allocator, ordered on the current stream (safe in CUDA graphs).
+inline c10::DataPtr workspace(size_t bytes) { return c10::cuda::CUDACachingAllocator::get()->allocate(bytes); }
+}  // namespace cuda
+}  // namespace layernorm_ext
+#endif
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -325,7 +347,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
   using A = acc_t<Th>;
   using Stat = std::conditional_t<kRms, Sums<A>, Welford<A>>;
   __shared__ Stat scratch[kMaxRowThreads / 32];
-  extern __shared__ __align__(16) unsigned char stage_bytes[];
+  LNX_DYNAMIC_SHARED(stage_bytes);
   A* stage = reinterpret_cast<A*>(stage_bytes);
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     Stat s = Stat{};
@@ -454,27 +476,28 @@ __device__ __forceinline__ void row_stats(const BackwardArgs<A>& a, int64_t row,
   *mean = (rms || a.mean == nullptr) ? A(0) : a.mean[row];
 }
 
-// The end of backward_rows_kernel: sum the groups' column partials (group order) and write row blockIdx.x
-// of `out` ([gridDim.x, cols]). Every thread of the block calls it.
+// The end of backward_rows_kernel: sum the groups' column partials and write row blockIdx.x of `out`
+// ([gridDim.x, cols]). The groups (a power of two) are added pairwise, as a tree through shared memory: a
+// fixed order, and an error that grows with log2(groups) rather than with their count. Every thread calls it.
 template <typename A, int kPacks, int kVec>
 __device__ __forceinline__ void write_block_partials(const BackwardArgs<A>& a, A (&acc)[kPacks][kVec], A* out,
                                                      A* combine_buf, int group, int lane) {
-  if (a.rows_per_block > 1) {
+  for (int half = a.rows_per_block / 2; half >= 1; half /= 2) {
+    if (group >= half && group < 2 * half) {
 #pragma unroll
-    for (int p = 0; p < kPacks; ++p)
+      for (int p = 0; p < kPacks; ++p)
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) combine_buf[(threadIdx.x * kPacks + p) * kVec + j] = acc[p][j];
-    __syncthreads();
-    if (group == 0) {
-      for (int other = 1; other < a.rows_per_block; ++other) {
-        const int t = other * a.lanes + lane;
-#pragma unroll
-        for (int p = 0; p < kPacks; ++p)
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) acc[p][j] += combine_buf[(t * kPacks + p) * kVec + j];
-      }
+        for (int j = 0; j < kVec; ++j) combine_buf[(threadIdx.x * kPacks + p) * kVec + j] = acc[p][j];
     }
-    __syncthreads();  // combine_buf is reused for the next output
+    __syncthreads();
+    if (group < half) {
+      const int t = (group + half) * a.lanes + lane;
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p)
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) acc[p][j] += combine_buf[(t * kPacks + p) * kVec + j];
+    }
+    __syncthreads();  // combine_buf is overwritten by the next level (or the next output)
   }
   if (group == 0) {
 #pragma unroll
@@ -498,7 +521,7 @@ template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec, int kPacks
 __global__ void __launch_bounds__(kMaxRowThreads) backward_rows_kernel(BackwardArgs<acc_t<Ts>> a) {
   using A = acc_t<Ts>;
   __shared__ Sums<A> scratch[kMaxRowThreads / 32];
-  extern __shared__ __align__(16) unsigned char combine_bytes[];  // blockDim.x * kPacks * kVec values, when rows_per_block > 1
+  LNX_DYNAMIC_SHARED(combine_bytes);  // blockDim.x * kPacks * kVec values, when rows_per_block > 1
   A* combine_buf = reinterpret_cast<A*>(combine_bytes);
   const int group = threadIdx.x / a.lanes;
   const int lane = threadIdx.x % a.lanes;
@@ -597,11 +620,11 @@ __global__ void __launch_bounds__(kMaxRowThreads) backward_long_kernel(BackwardA
 }
 
 constexpr int kReduceColumns = 32;  // columns per block of reduce_partials_kernel
-constexpr int kReduceSlices = 16;   // threads per column, each summing every kReduceSlices-th partial row
+constexpr int kReduceSlices = 32;   // threads per column, each summing every kReduceSlices-th partial row
 
 // Sum the [parts, cols] partial buffer over parts into a [cols] output of the parameters' dtype. Thread
-// (x, y) of a (32, 16) block sums partial rows y, y + 16, ... of column blockIdx.x * 32 + x in order; the 16
-// slice sums are then added in slice order. The order is fixed by the shape: the same bits on every run.
+// (x, y) of a (32, 32) block sums partial rows y, y + 32, ... of column blockIdx.x * 32 + x in order; the 32
+// slice sums are then added pairwise (a tree). The order is fixed by the shape: the same bits on every run.
 template <typename Tw, typename A>
 __global__ void reduce_partials_kernel(const A* partial, void* out, int64_t parts, int64_t cols) {
   __shared__ A slices[kReduceSlices][kReduceColumns];
@@ -612,11 +635,11 @@ __global__ void reduce_partials_kernel(const A* partial, void* out, int64_t part
   }
   slices[threadIdx.y][threadIdx.x] = sum;
   __syncthreads();
-  if (threadIdx.y == 0 && col < cols) {
-    A total = slices[0][threadIdx.x];
-    for (int y = 1; y < kReduceSlices; ++y) total += slices[y][threadIdx.x];
-    static_cast<Tw*>(out)[col] = from_acc<Tw>(total);
+  for (int half = kReduceSlices / 2; half >= 1; half /= 2) {
+    if (threadIdx.y < half) slices[threadIdx.y][threadIdx.x] += slices[threadIdx.y + half][threadIdx.x];
+    __syncthreads();
   }
+  if (threadIdx.y == 0 && col < cols) static_cast<Tw*>(out)[col] = from_acc<Tw>(slices[0][threadIdx.x]);
 }
 
 // ---- host side: planning and launching -------------------------------------------------------------------
@@ -734,8 +757,8 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
     const int threads = plan.lanes * plan.rows_per_block;
     const int64_t grid = grid_for((p.rows + plan.rows_per_block - 1) / plan.rows_per_block);
     with_packs<kMax>(plan.packs, [&](auto packs) {
-      forward_rows_kernel<Tin, Th, Tw, kRms, kVec, decltype(packs)::value>
-          <<<static_cast<unsigned>(grid), threads, 0, stream>>>(a);
+      auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, decltype(packs)::value>;
+      LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, 0, stream)(a);
     });
   } else {
     a.lanes = kMaxRowThreads;
@@ -747,14 +770,14 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
     if (staged) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(stage)));
     }
-    kernel<<<static_cast<unsigned>(grid_for(p.rows)), kMaxRowThreads, staged ? stage : 0, stream>>>(a, staged);
+    LNX_LAUNCH(kernel, static_cast<unsigned>(grid_for(p.rows)), kMaxRowThreads, staged ? stage : 0, stream)(a, staged);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename Tin, typename Th, typename Tw>
 void launch_forward(const NormForwardParams& p) {
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream();
   constexpr int kVec = 16 / sizeof(Tin) < 8 ? 16 / sizeof(Tin) : 8;
   const bool vectorized = p.cols % kVec == 0 && aligned(p.input, sizeof(Tin) * kVec) &&
                           aligned(p.out, sizeof(Tin) * kVec) && aligned(p.weight, std::min<size_t>(16, sizeof(Tw) * kVec)) &&
@@ -816,10 +839,10 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
   const bool want_dweight = p.grad_weight != nullptr;
   const bool want_dbias = !kRms && p.grad_bias != nullptr;
   const size_t partial_bytes = static_cast<size_t>(grid) * p.cols * sizeof(A);
-  c10::DataPtr workspace;
+  c10::DataPtr scratch;
   if (want_dweight || want_dbias) {
-    workspace = c10::cuda::CUDACachingAllocator::get()->allocate(partial_bytes * 2);
-    A* base = static_cast<A*>(workspace.get());
+    scratch = workspace(partial_bytes * 2);
+    A* base = static_cast<A*>(scratch.get());
     a.partial_dweight = want_dweight ? base : nullptr;
     a.partial_dbias = want_dbias ? base + static_cast<size_t>(grid) * p.cols : nullptr;
     if (plan.long_path) C10_CUDA_CHECK(cudaMemsetAsync(base, 0, partial_bytes * 2, stream));
@@ -830,28 +853,31 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
 
   if (!plan.long_path) {
     with_packs<kMax>(plan.packs, [&](auto packs) {
-      rows_kernel_for(packs)<<<static_cast<unsigned>(grid), threads, smem, stream>>>(a);
+      auto kernel = rows_kernel_for(packs);
+      LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, smem, stream)(a);
     });
   } else {
-    backward_long_kernel<Tg, Ts, Tw, kRms, kVec><<<static_cast<unsigned>(grid), threads, 0, stream>>>(a);
+    auto kernel = backward_long_kernel<Tg, Ts, Tw, kRms, kVec>;
+    LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, 0, stream)(a);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   const dim3 reduce_block(kReduceColumns, kReduceSlices);
+  auto reduce = reduce_partials_kernel<Tw, A>;
   const unsigned reduce_grid = static_cast<unsigned>((p.cols + kReduceColumns - 1) / kReduceColumns);
   if (want_dweight) {
-    reduce_partials_kernel<Tw, A><<<reduce_grid, reduce_block, 0, stream>>>(a.partial_dweight, p.grad_weight, grid, p.cols);
+    LNX_LAUNCH(reduce, reduce_grid, reduce_block, 0, stream)(a.partial_dweight, p.grad_weight, grid, p.cols);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (want_dbias) {
-    reduce_partials_kernel<Tw, A><<<reduce_grid, reduce_block, 0, stream>>>(a.partial_dbias, p.grad_bias, grid, p.cols);
+    LNX_LAUNCH(reduce, reduce_grid, reduce_block, 0, stream)(a.partial_dbias, p.grad_bias, grid, p.cols);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
 template <typename Tg, typename Ts, typename Tw>
 void launch_backward(const NormBackwardParams& p) {
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream();
   constexpr int kVec = 16 / sizeof(Tg) < 8 ? 16 / sizeof(Tg) : 8;
   const bool vectorized = p.cols % kVec == 0 && aligned(p.grad_out, sizeof(Tg) * kVec) &&
                           aligned(p.saved, std::min<size_t>(16, sizeof(Ts) * kVec)) &&

@@ -1,0 +1,234 @@
+// A host emulation of the little of CUDA that csrc/cuda/norm_kernels.cuh uses, so that the very same kernel
+// and launcher code can run (slowly) on a machine without a GPU. Each CUDA thread of a block is a fiber
+// (ucontext) on the calling thread; blocks run one after another. __syncthreads switches to the next fiber,
+// so the block's threads advance in lockstep from barrier to barrier (the order within a phase is the fiber
+// order; the kernels must not depend on it, and on a GPU they could not). __shfl_xor_sync goes through a
+// per-block exchange buffer between two barriers (the kernels call it with every thread of the block, as
+// they must on the GPU for whole-warp masks). __shared__ variables are static: shared by the threads of the
+// one block that runs at a time. Half types are c10::Half / c10::BFloat16.
+//
+// Tests only (tests/test_cuda_emulation.py). It checks indexing, thread mappings, reductions, plans and
+// launch logic; it cannot check GPU timing, memory ordering on real hardware or the CUDA compiler.
+#pragma once
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <ucontext.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+#define __shared__ static
+
+using __half = c10::Half;
+using __nv_bfloat16 = c10::BFloat16;
+
+inline float __half2float(__half v) { return static_cast<float>(v); }
+inline __half __float2half_rn(float v) { return __half(v); }
+inline __half __double2half(double v) { return __half(static_cast<float>(v)); }
+inline float __bfloat162float(__nv_bfloat16 v) { return static_cast<float>(v); }
+inline __nv_bfloat16 __float2bfloat16_rn(float v) { return __nv_bfloat16(v); }
+inline __nv_bfloat16 __double2bfloat16(double v) { return __nv_bfloat16(static_cast<float>(v)); }
+inline float __frcp_rn(float v) { return 1.0f / v; }
+inline double __drcp_rn(double v) { return 1.0 / v; }
+inline float __frsqrt_rn(float v) { return 1.0f / std::sqrt(v); }
+inline double rsqrt(double v) { return 1.0 / std::sqrt(v); }
+
+struct uint3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+// Set by the fiber scheduler before it resumes a fiber.
+inline uint3 threadIdx;
+inline uint3 blockIdx;
+inline dim3 blockDim;
+inline dim3 gridDim;
+
+using cudaStream_t = void*;
+using cudaError_t = int;
+constexpr cudaError_t cudaSuccess = 0;
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount, cudaDevAttrMaxSharedMemoryPerBlockOptin };
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
+
+namespace emulation {
+
+// The emulated GPU: few SMs, so that persistent grids stride over rows; 100 KiB of shared memory per block.
+constexpr int kSMs = 3;
+constexpr int kBlocksPerSM = 2;
+constexpr int kSharedOptin = 100 * 1024;
+
+// The running block: one fiber per CUDA thread, resumed in turn until each reaches the next barrier.
+struct Block {
+  std::vector<ucontext_t> fibers;
+  std::vector<std::vector<char>> stacks;
+  std::vector<bool> done;
+  ucontext_t scheduler;
+  unsigned current = 0;
+  unsigned count = 0;
+  std::function<void()> body;  // the kernel call, run by every fiber
+  std::exception_ptr error;
+  std::vector<double> exchange;  // one slot per thread, for shuffles
+  std::vector<unsigned char> dynamic_shared;
+};
+
+inline Block& block() {
+  static Block b;
+  return b;
+}
+
+inline unsigned thread_rank() { return threadIdx.x + threadIdx.y * blockDim.x; }
+
+inline void fiber_main() {
+  Block& b = block();
+  try {
+    b.body();
+  } catch (...) {
+    if (!b.error) b.error = std::current_exception();
+  }
+  b.done[b.current] = true;
+  swapcontext(&b.fibers[b.current], &b.scheduler);
+}
+
+// A barrier: back to the scheduler, which resumes every other fiber up to this barrier first.
+inline void yield_to_scheduler() {
+  Block& b = block();
+  swapcontext(&b.fibers[b.current], &b.scheduler);
+}
+
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, dim3 grid, dim3 threads, size_t shared_bytes, Args... args) {
+  TORCH_CHECK(grid.x > 0 && threads.x > 0, "emulated launch: empty grid or block");
+  TORCH_CHECK(threads.x * threads.y <= 1024, "emulated launch: more than 1024 threads per block");
+  TORCH_CHECK(shared_bytes <= static_cast<size_t>(kSharedOptin), "emulated launch: too much shared memory");
+  constexpr size_t kStack = 256 * 1024;
+  Block& b = block();
+  b.count = threads.x * threads.y;
+  b.exchange.assign(b.count, 0.0);
+  b.fibers.resize(b.count);
+  if (b.stacks.size() < b.count) b.stacks.resize(b.count);
+  b.body = [&] { kernel(args...); };
+  b.error = nullptr;
+  for (unsigned bx = 0; bx < grid.x; ++bx) {
+    b.dynamic_shared.assign(shared_bytes + 16, 0xAB);  // garbage: nothing may read it before writing
+    b.done.assign(b.count, false);
+    for (unsigned t = 0; t < b.count; ++t) {
+      b.stacks[t].resize(kStack);
+      getcontext(&b.fibers[t]);
+      b.fibers[t].uc_stack.ss_sp = b.stacks[t].data();
+      b.fibers[t].uc_stack.ss_size = kStack;
+      b.fibers[t].uc_link = nullptr;
+      makecontext(&b.fibers[t], fiber_main, 0);
+    }
+    blockIdx = {bx, 0, 0};
+    blockDim = threads;
+    gridDim = grid;
+    unsigned finished = 0;
+    while (finished < b.count) {  // one phase: every fiber runs to its next barrier (or its end)
+      unsigned finished_now = 0;
+      for (unsigned t = 0; t < b.count; ++t) {
+        if (b.done[t]) continue;
+        b.current = t;
+        threadIdx = {t % threads.x, t / threads.x, 0};
+        swapcontext(&b.scheduler, &b.fibers[t]);
+        if (b.done[t]) ++finished_now;
+      }
+      TORCH_CHECK(finished_now == 0 || finished + finished_now == b.count,
+                  "emulated launch: some threads of a block left while others wait at a barrier");
+      finished += finished_now;
+    }
+    if (b.error) std::rethrow_exception(b.error);
+  }
+}
+
+struct Launcher {
+  dim3 grid, threads;
+  size_t shared_bytes;
+};
+
+template <typename Kernel>
+struct BoundLaunch {
+  Kernel kernel;
+  Launcher launcher;
+  template <typename... Args>
+  void operator()(Args... args) const {
+    launch(kernel, launcher.grid, launcher.threads, launcher.shared_bytes, args...);
+  }
+};
+
+template <typename Kernel>
+BoundLaunch<Kernel> bind(Kernel kernel, const Launcher& launcher) {
+  return {kernel, launcher};
+}
+
+}  // namespace emulation
+
+inline void __syncthreads() { emulation::yield_to_scheduler(); }
+
+template <typename T>
+T __shfl_xor_sync(unsigned /*mask*/, T value, int offset) {
+  emulation::Block& b = emulation::block();
+  const unsigned me = emulation::thread_rank();
+  b.exchange[me] = static_cast<double>(value);
+  emulation::yield_to_scheduler();
+  const T other = static_cast<T>(b.exchange[me ^ static_cast<unsigned>(offset)]);
+  emulation::yield_to_scheduler();
+  return other;
+}
+
+inline cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int /*device*/) {
+  *value = attr == cudaDevAttrMultiProcessorCount ? emulation::kSMs : emulation::kSharedOptin;
+  return cudaSuccess;
+}
+template <typename Kernel>
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel, int, size_t) {
+  *blocks = emulation::kBlocksPerSM;
+  return cudaSuccess;
+}
+template <typename Kernel>
+cudaError_t cudaFuncSetAttribute(Kernel, cudaFuncAttribute, int value) {
+  TORCH_CHECK(value <= emulation::kSharedOptin, "emulated cudaFuncSetAttribute: ", value, " bytes");
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
+  std::memset(p, value, bytes);
+  return cudaSuccess;
+}
+
+#define C10_CUDA_CHECK(expr) TORCH_CHECK((expr) == cudaSuccess, #expr)
+#define C10_CUDA_KERNEL_LAUNCH_CHECK() ((void)0)
+#define LNX_LAUNCH(kernel, grid, block, shared_bytes, stream) \
+  ::emulation::bind(kernel, ::emulation::Launcher{dim3(grid), dim3(block), static_cast<size_t>(shared_bytes)})
+#define LNX_DYNAMIC_SHARED(name) unsigned char* name = ::emulation::block().dynamic_shared.data()
+
+namespace layernorm_ext {
+namespace cuda {
+inline cudaStream_t current_stream() { return nullptr; }
+inline c10::DataPtr workspace(size_t bytes) {
+  c10::DataPtr p = c10::GetCPUAllocator()->allocate(bytes);
+  std::memset(p.get(), 0xAB, bytes);  // garbage: nothing may read it before writing
+  return p;
+}
+}  // namespace cuda
+}  // namespace layernorm_ext

@@ -1,0 +1,66 @@
+// The CUDA kernel family (csrc/cuda/norm_kernels.cuh) compiled for the host against cuda_emulation.h, behind the
+// shared op bodies (csrc/norm_ops.cpp): the same checks, allocations and parameter blocks as the real CUDA
+// ops, but on CPU tensors. Built just in time by tests/test_cuda_emulation.py; exposes the four ops as plain
+// pybind11 functions (no dispatcher registration: the real library owns torch.ops.layernorm_ext).
+#include <torch/extension.h>
+
+#include "../../csrc/cuda/norm_kernels.cuh"
+#include "../../csrc/norm.h"
+
+namespace {
+
+using layernorm_ext::NormBackwardParams;
+using layernorm_ext::NormForwardParams;
+using layernorm_ext::OptTensor;
+using layernorm_ext::Tensor;
+namespace cuda = layernorm_ext::cuda;
+
+void forward(const NormForwardParams& p) {
+  switch (p.input_type) {
+    case at::kFloat: return cuda::forward_for_input<float>(p);
+    case at::kDouble: return cuda::forward_for_input<double>(p);
+    case at::kHalf: return cuda::forward_for_input<__half>(p);
+    case at::kBFloat16: return cuda::forward_for_input<__nv_bfloat16>(p);
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+}
+
+void backward(const NormBackwardParams& p) {
+  switch (p.out_type) {
+    case at::kFloat: return cuda::backward_for_grad<float>(p);
+    case at::kDouble: return cuda::backward_for_grad<double>(p);
+    case at::kHalf: return cuda::backward_for_grad<__half>(p);
+    case at::kBFloat16: return cuda::backward_for_grad<__nv_bfloat16>(p);
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+}
+
+c10::SymIntArrayRef sym(const std::vector<int64_t>& shape) {
+  return c10::fromIntArrayRefSlow(at::IntArrayRef(shape));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("layer_norm_fwd", [](const Tensor& input, const std::vector<int64_t>& shape, const OptTensor& weight,
+                             const OptTensor& bias, double eps, const OptTensor& residual, bool residual_in_fp32) {
+    return layernorm_ext::layer_norm_fwd(input, sym(shape), weight, bias, eps, residual, residual_in_fp32, false,
+                                         forward);
+  });
+  m.def("rms_norm_fwd", [](const Tensor& input, const std::vector<int64_t>& shape, const OptTensor& weight,
+                           std::optional<double> eps, const OptTensor& residual, bool residual_in_fp32) {
+    return layernorm_ext::rms_norm_fwd(input, sym(shape), weight, eps, residual, residual_in_fp32, false, forward);
+  });
+  m.def("layer_norm_bwd", [](const Tensor& grad_out, const Tensor& saved, const Tensor& mean, const Tensor& rstd,
+                             const std::vector<int64_t>& shape, const OptTensor& weight, const OptTensor& bias,
+                             bool saved_is_output, const OptTensor& grad_residual_out) {
+    return layernorm_ext::layer_norm_bwd(grad_out, saved, mean, rstd, sym(shape), weight, bias, saved_is_output,
+                                         grad_residual_out, backward);
+  });
+  m.def("rms_norm_bwd", [](const Tensor& grad_out, const Tensor& saved, const Tensor& rstd,
+                           const std::vector<int64_t>& shape, const OptTensor& weight, bool saved_is_output,
+                           const OptTensor& grad_residual_out) {
+    return layernorm_ext::rms_norm_bwd(grad_out, saved, rstd, sym(shape), weight, saved_is_output,
+                                       grad_residual_out, backward);
+  });
+}

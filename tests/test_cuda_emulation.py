@@ -1,0 +1,157 @@
+"""The CUDA kernels run on the host: csrc/cuda/norm_kernels.cuh compiled with g++ against
+tests/cuda_emulation/cuda_emulation.h (each CUDA thread a fiber, blocks in turn, __syncthreads and warp shuffles
+emulated), behind the same op bodies (csrc/norm_ops.cpp) as the real CUDA ops, on CPU tensors.
+
+This runs the kernels' logic where no GPU is: thread-to-row mappings and the host's choice among them, pack
+indexing, the Welford/Chan and sum reductions across lanes and warps, shared-memory staging, the persistent
+backward's partial buffers and their fixed-order reduction, dtype dispatch. Every case goes through
+test_functional's ``run_case``: outputs and all gradients against ATen (CPU) with the suite's accuracy rule.
+It cannot check what only a GPU shows: timing, the CUDA compiler's code, memory ordering, real launch limits.
+
+The emulated GPU has 3 SMs x 2 resident blocks and 100 KiB of shared memory per block, so persistent grids
+stride over rows and rows of 20000 floats are staged while rows of 40000 are read twice.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from layernorm_ext import ops as ops_module
+from test_functional import Inputs, Spec, _spec, run_case
+
+pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight:UserWarning")
+
+REPO = Path(__file__).resolve().parents[1]
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+
+
+@pytest.fixture(scope="module")
+def emulated() -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    return load(
+        name="layernorm_ext_cuda_emulation",
+        sources=[
+            str(REPO / "tests" / "cuda_emulation" / "emulated_ops.cpp"),
+            str(REPO / "csrc" / "norm_ops.cpp"),
+            str(REPO / "csrc" / "norm_checks.cpp"),
+        ],
+        extra_cflags=["-O1", "-Wno-unknown-pragmas", "-DLAYERNORM_EXT_CUDA_EMULATION"],
+        extra_include_paths=[str(REPO / "tests" / "cuda_emulation")],
+        verbose=os.environ.get("LAYERNORM_EXT_VERBOSE", "0") == "1",
+    )
+
+
+def _autograd_function(module: ModuleType, rms: bool) -> type[torch.autograd.Function]:
+    """The emulated forward behind the package's own autograd formula (layernorm_ext.ops), whose backward
+    calls the emulated backward op."""
+    backward_ops = SimpleNamespace(layer_norm_bwd=module.layer_norm_bwd, rms_norm_bwd=module.rms_norm_bwd)
+
+    class Emulated(torch.autograd.Function):
+        @staticmethod
+        def forward(*args: Any) -> tuple[Tensor, ...]:
+            fwd = module.rms_norm_fwd if rms else module.layer_norm_fwd
+            return tuple(fwd(*args[:-1]))  # all but memory_efficient, which only the autograd formula reads
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+            ops_module._setup_context(ctx, inputs, output, rms=rms)
+
+        @staticmethod
+        def backward(ctx: Any, grad_out: Tensor | None, grad_residual_out: Tensor | None, *_: Any) -> Any:
+            real_ops = ops_module._ops
+            ops_module._ops = backward_ops
+            try:
+                return ops_module._backward(ctx, grad_out, grad_residual_out, rms=rms)
+            finally:
+                ops_module._ops = real_ops
+
+    return Emulated
+
+
+def _emulated_impl(module: ModuleType):
+    layer_norm = _autograd_function(module, rms=False)
+    rms_norm = _autograd_function(module, rms=True)
+
+    def ours(spec: Spec, inp: Inputs) -> tuple[Tensor, Tensor | None]:
+        shape = list(spec.norm)
+        if spec.rms:
+            out, res_out, _ = rms_norm.apply(inp.x, shape, inp.w, spec.eps, inp.r, spec.in_fp32, spec.mem_eff)
+        else:
+            out, res_out, _, _ = layer_norm.apply(
+                inp.x, shape, inp.w, inp.b, spec.eps, inp.r, spec.in_fp32, spec.mem_eff
+            )
+        return out, (res_out if spec.residual else None)
+
+    return ours
+
+
+def _rows(n: int) -> int:
+    # Enough rows for several blocks of rows per block and for the persistent backward to stride; fewer for
+    # the long paths (one block per row, every CUDA thread a fiber).
+    return 100 if n <= 256 else (9 if n <= 4096 else 3)
+
+
+# N per path for float32 (bfloat16 alike): sub-warp (7: element-wise; 8, 64), warp (256), block (769:
+# element-wise; 1024, 4096), long staged in shared memory (20000), long read twice (40000).
+PATH_NS = (7, 8, 64, 256, 769, 1024, 4096, 20000, 40000)
+DTYPES = ((F32, F32), (BF16, BF16), (F16, F32), (F64, F64))
+
+
+def _specs() -> list[Spec]:
+    specs = [
+        _spec(fn, (_rows(n),), (n,), dtype=dtype, wdtype=wdtype)
+        for n in PATH_NS
+        for fn in ("layer_norm", "rms_norm")
+        for dtype, wdtype in DTYPES
+        if not (dtype == F64 and n > 4096)
+    ]
+    specs += [  # residuals: same dtype, float32 rows for half input (both ways), float64 rows for float32 input
+        _spec(fn, (_rows(n),), (n,), dtype=dtype, wdtype=dtype, rdtype=rdtype, in_fp32=in_fp32)
+        for n in (8, 769, 4096, 20000)
+        for fn in ("add_layer_norm", "add_rms_norm")
+        for dtype, rdtype, in_fp32 in ((BF16, BF16, False), (BF16, BF16, True), (F16, F32, False), (F32, F64, False))
+    ]
+    specs += [  # affine modes, memory_efficient (xhat from the output), multi-dim normalized shape
+        _spec("layer_norm", (_rows(n),), (n,), affine=affine)
+        for n in (64, 1024)
+        for affine in ("none", "w")
+    ]
+    specs += [
+        _spec(fn, (_rows(n),), (n,), dtype=dtype, mem_eff=True, weights="signed")
+        for n in (64, 1024, 20000)
+        for fn in ("layer_norm", "rms_norm")
+        for dtype in (F32, BF16)
+    ]
+    specs.append(_spec("layer_norm", (2, 3), (4, 33)))
+    return specs
+
+
+def _id(spec: Spec) -> str:
+    from test_functional import _id as functional_id
+
+    return functional_id(spec)
+
+
+@pytest.mark.parametrize("spec", _specs(), ids=_id)
+def test_emulated_cuda_kernels(spec: Spec, emulated: ModuleType) -> None:
+    run_case(spec, "cpu", ours=_emulated_impl(emulated))
+
+
+def test_emulated_backward_is_deterministic(emulated: ModuleType) -> None:
+    """The persistent backward's partial buffers are reduced in a fixed order: the same bits on every run."""
+    torch.manual_seed(0)
+    x, g = torch.randn(300, 256), torch.randn(300, 256)
+    w, b = torch.randn(256), torch.randn(256)
+    _, _, mean, rstd = emulated.layer_norm_fwd(x, [256], w, b, 1e-5, None, False)
+    first = emulated.layer_norm_bwd(g, x, mean, rstd, [256], w, b, False, None)
+    second = emulated.layer_norm_bwd(g, x, mean, rstd, [256], w, b, False, None)
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
