@@ -718,7 +718,6 @@ int64_t persistent_grid(Kernel kernel, int threads, size_t smem, int64_t groups)
   return std::max<int64_t>(1, std::min(groups, resident));
 }
 
-inline size_t residual_size(ScalarType t) { return c10::elementSize(t); }
 
 template <int kMaxPacks, typename F>
 void with_packs(int packs, F&& f) {
@@ -775,24 +774,41 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Elements per 16-byte pack of T (at most 8).
+template <typename T>
+constexpr int pack_width() {
+  return 16 / sizeof(T) < 8 ? static_cast<int>(16 / sizeof(T)) : 8;
+}
+
+// Whether a tensor of element_size-byte elements can be accessed in packs of kVec elements.
+template <int kVec>
+bool pack_aligned(const void* p, size_t element_size) {
+  return aligned(p, std::min<size_t>(16, element_size * kVec));
+}
+
+// Calls f(rms, width) with the call's kernel variant as types: RMSNorm or LayerNorm; packs of kVec elements
+// when every pointer allows them, else single elements.
+template <int kVec, typename F>
+void with_variant(bool rms, bool vectorized, F&& f) {
+  auto with_width = [&](auto rms_tag) {
+    if (vectorized) f(rms_tag, std::integral_constant<int, kVec>{});
+    else f(rms_tag, std::integral_constant<int, 1>{});
+  };
+  if (rms) with_width(std::true_type{});
+  else with_width(std::false_type{});
+}
+
 template <typename Tin, typename Th, typename Tw>
 void launch_forward(const NormForwardParams& p) {
-  const cudaStream_t stream = current_stream();
-  constexpr int kVec = 16 / sizeof(Tin) < 8 ? 16 / sizeof(Tin) : 8;
-  const bool vectorized = p.cols % kVec == 0 && aligned(p.input, sizeof(Tin) * kVec) &&
-                          aligned(p.out, sizeof(Tin) * kVec) && aligned(p.weight, std::min<size_t>(16, sizeof(Tw) * kVec)) &&
-                          aligned(p.bias, std::min<size_t>(16, sizeof(Tw) * kVec)) &&
-                          aligned(p.residual, std::min<size_t>(16, residual_size(p.residual_type) * kVec)) &&
-                          aligned(p.residual_out, std::min<size_t>(16, sizeof(Th) * kVec));
-  auto go = [&](auto rms) {
-    if (vectorized) {
-      launch_forward_vec<Tin, Th, Tw, decltype(rms)::value, kVec>(p, stream);
-    } else {
-      launch_forward_vec<Tin, Th, Tw, decltype(rms)::value, 1>(p, stream);
-    }
-  };
-  if (p.rms) go(std::true_type{});
-  else go(std::false_type{});
+  constexpr int kVec = pack_width<Tin>();
+  const bool vectorized = p.cols % kVec == 0 && pack_aligned<kVec>(p.input, sizeof(Tin)) &&
+                          pack_aligned<kVec>(p.out, sizeof(Tin)) && pack_aligned<kVec>(p.weight, sizeof(Tw)) &&
+                          pack_aligned<kVec>(p.bias, sizeof(Tw)) &&
+                          pack_aligned<kVec>(p.residual, c10::elementSize(p.residual_type)) &&
+                          pack_aligned<kVec>(p.residual_out, sizeof(Th));
+  with_variant<kVec>(p.rms, vectorized, [&](auto rms, auto width) {
+    launch_forward_vec<Tin, Th, Tw, decltype(rms)::value, decltype(width)::value>(p, current_stream());
+  });
 }
 
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec>
@@ -877,23 +893,14 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
 
 template <typename Tg, typename Ts, typename Tw>
 void launch_backward(const NormBackwardParams& p) {
-  const cudaStream_t stream = current_stream();
-  constexpr int kVec = 16 / sizeof(Tg) < 8 ? 16 / sizeof(Tg) : 8;
-  const bool vectorized = p.cols % kVec == 0 && aligned(p.grad_out, sizeof(Tg) * kVec) &&
-                          aligned(p.saved, std::min<size_t>(16, sizeof(Ts) * kVec)) &&
-                          aligned(p.grad_input, std::min<size_t>(16, sizeof(Ts) * kVec)) &&
-                          aligned(p.grad_residual_out, std::min<size_t>(16, sizeof(Ts) * kVec)) &&
-                          aligned(p.weight, std::min<size_t>(16, sizeof(Tw) * kVec)) &&
-                          aligned(p.bias, std::min<size_t>(16, sizeof(Tw) * kVec));
-  auto go = [&](auto rms) {
-    if (vectorized) {
-      launch_backward_vec<Tg, Ts, Tw, decltype(rms)::value, kVec>(p, stream);
-    } else {
-      launch_backward_vec<Tg, Ts, Tw, decltype(rms)::value, 1>(p, stream);
-    }
-  };
-  if (p.rms) go(std::true_type{});
-  else go(std::false_type{});
+  constexpr int kVec = pack_width<Tg>();
+  const bool vectorized = p.cols % kVec == 0 && pack_aligned<kVec>(p.grad_out, sizeof(Tg)) &&
+                          pack_aligned<kVec>(p.saved, sizeof(Ts)) && pack_aligned<kVec>(p.grad_input, sizeof(Ts)) &&
+                          pack_aligned<kVec>(p.grad_residual_out, sizeof(Ts)) &&
+                          pack_aligned<kVec>(p.weight, sizeof(Tw)) && pack_aligned<kVec>(p.bias, sizeof(Tw));
+  with_variant<kVec>(p.rms, vectorized, [&](auto rms, auto width) {
+    launch_backward_vec<Tg, Ts, Tw, decltype(rms)::value, decltype(width)::value>(p, current_stream());
+  });
 }
 
 // ---- dtype dispatch --------------------------------------------------------------------------------------
