@@ -15,8 +15,9 @@
 // vector (RMSNorm: x^2); only if s turns out far from the mean (rarely) a second pass from cache sums about
 // the mean. The mean is kept as hi + lo (two floats) so that mean-1e4 / std-1e-2 rows stay exact; the last
 // pass re-reads the row from cache, normalizes and stores. Backward, per group of kRowGroup rows: each row's
-// sums of g, g * d and d (d = x - the forward's mean, g = dy * weight) from memory, then dx and the
-// dweight / dbias terms column block by column block from cache.
+// sums of g, g * d and d (d = x - the forward's mean, g = dy * weight) from memory, two rows at a time, then
+// dx and the dweight / dbias terms column block by column block from cache, two rows at a time (their
+// dweight / dbias terms summed in registers before one read-modify-write of the partial sums).
 // Registers hold two vector accumulators per sum; float sums are flushed into double vectors every
 // kFlushVectors vectors and the lanes added at the end of the row.
 #include <array>
@@ -333,15 +334,21 @@ inline double horizontal_sum(Vec<double> v) {
   return tree_sum<kLanes<double>>(lanes);
 }
 
+// Lanes [First, First + lanes of double) of a float vector.
+template <int First, size_t... I>
+inline typename FloatN<sizeof...(I)>::type half_of(Vec<float> v, std::index_sequence<I...>) {
+  return __builtin_shufflevector(v, v, (First + static_cast<int>(I))...);
+}
+
 // A vector of the compute type, widened to double lanes and folded to one double vector.
 template <class C>
 inline Vec<double> widen(Vec<C> v) {
   if constexpr (std::is_same_v<C, double>) {
     return v;
   } else {
-    typename FloatN<kLanes<double>>::type low, high;
-    std::memcpy(&low, &v, sizeof low);
-    std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof low, sizeof high);
+    // Halves by shuffles, not through memory: a half-width reload of a full-width store cannot be forwarded.
+    const auto low = half_of<0>(v, std::make_index_sequence<kLanes<double>>{});
+    const auto high = half_of<kLanes<double>>(v, std::make_index_sequence<kLanes<double>>{});
     return __builtin_convertvector(low, Vec<double>) + __builtin_convertvector(high, Vec<double>);
   }
 }
@@ -642,11 +649,233 @@ bool use_float(int64_t cols) {
 
 // Rows in groups of up to kRowGroup (fewer for long rows: a group's input and dy stay within
 // kRowGroupBytes, about a quarter of L2): first each row's sums (reading it from memory), then dx and
-// dweight/dbias column block by column block across the group's rows (re-read from L2), so that a block of
-// the partial sums stays in L1 while the group's rows add into it.
+// dweight/dbias vector by vector across the group's rows (re-read from cache): each column vector's
+// dweight / dbias terms of the group's rows are summed in registers, then added into the partial sums once.
 constexpr int64_t kRowGroup = 8;
 constexpr int64_t kRowGroupBytes = 512 * 1024;
 constexpr int64_t kColumnBlock = 2048;
+
+// Per row of a group, the constants of its dx and xhat (see apply_group).
+template <class C>
+struct GroupRowConstants {
+  C center, xscale, xoffset, gscale, goffset, gx, mean_g, mean_gx;
+};
+
+// dx over columns [j, j + cnt) of R rows of a group, and the sums over these rows of the dweight / dbias
+// terms added into dw / db. kSavedOut: xhat is recovered from the output (memory-efficient mode). Every row's
+// inputs are loaded before any dx is stored: rows a power of two of bytes apart would otherwise make the
+// loads wait on the stores (4K aliasing).
+template <int R, bool kSavedOut, bool kResidual, class S, class G, class C>
+inline void rows_step(int64_t j, int64_t cnt, const C* weight, const C* bias, const S* const* saved,
+                      const G* const* dy, const S* const* residual, S* const* dx, const GroupRowConstants<C>* k,
+                      Vec<C>& dw, Vec<C>& db) {
+  const Vec<C> w_v = weight != nullptr ? load_at<C>(weight, j, cnt) : broadcast<C>(C(1));
+  Vec<C> dy_v[R], x_v[R], r_v[R];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+    dy_v[i] = load_at<C>(dy[i], j, cnt);
+    x_v[i] = load_at<C>(saved[i], j, cnt);
+    if constexpr (kResidual) r_v[i] = load_at<C>(residual[i], j, cnt);
+  }
+  Vec<C> b_v = Vec<C>{};
+  if constexpr (kSavedOut) {
+    if (bias != nullptr) b_v = load_at<C>(bias, j, cnt);
+  }
+  Vec<C> grad[R];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+    Vec<C> d;
+    if constexpr (kSavedOut) {
+      d = (x_v[i] - b_v) / w_v;  // out = xhat * weight + bias
+    } else {
+      d = x_v[i] - broadcast<C>(k[i].center);
+    }
+    const Vec<C> xhat = d * broadcast<C>(k[i].xscale) + broadcast<C>(k[i].xoffset);
+    const Vec<C> g = dy_v[i] * w_v;
+    if constexpr (std::is_same_v<C, double>) {
+      // Rows of a few vectors (and float64): g - mean(g) first, which cancels exactly where g is constant.
+      grad[i] = (g - broadcast<C>(k[i].mean_g) - xhat * broadcast<C>(k[i].mean_gx)) * broadcast<C>(k[i].gscale);
+    } else {
+      grad[i] = g * broadcast<C>(k[i].gscale) + broadcast<C>(k[i].goffset) - xhat * broadcast<C>(k[i].gx);
+    }
+    if constexpr (kResidual) grad[i] = grad[i] + r_v[i];
+    dw = dw + dy_v[i] * xhat;
+    db = db + dy_v[i];
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) store_at<C>(dx[i], j, cnt, grad[i]);
+}
+
+// dx of R rows over columns [c0, c1), and dweight / dbias += the sum of their terms (one read-modify-write
+// per vector for the R rows).
+template <int R, bool kSavedOut, bool kResidual, class S, class G, class C>
+void rows_block(int64_t c0, int64_t c1, const C* weight, const C* bias, const S* const* saved, const G* const* dy,
+                const S* const* residual, S* const* dx, const GroupRowConstants<C>* k, C* dweight, C* dbias) {
+  constexpr int64_t L = kLanes<C>;
+  auto step = [&](int64_t j, int64_t cnt) {
+    Vec<C> dw = Vec<C>{}, db = Vec<C>{};
+    rows_step<R, kSavedOut, kResidual>(j, cnt, weight, bias, saved, dy, residual, dx, k, dw, db);
+    if (dweight != nullptr) add_into<C>(dweight + j, cnt, dw);
+    if (dbias != nullptr) add_into<C>(dbias + j, cnt, db);
+  };
+  int64_t j = c0;
+  for (; j + L <= c1; j += L) step(j, L);
+  if (j < c1) step(j, c1 - j);
+}
+
+// dx of rows [first, first + count), and dweight / dbias += their terms: column block by column block (the
+// block of the partial sums stays in L1), rows two at a time within a block (four were slower: more streams
+// of rows a power of two apart meet in one L1 set).
+// Per row, with s = rstd: xhat = (x - center) * s - delta * s (memory-efficient: the recovered xhat, scale 1),
+// and in float dx = g * s - mean_g * s - xhat * (mean_gx * s): two FMAs after g (in double, as BackwardRow).
+template <bool kSavedOut, bool kResidual, class S, class G, class C>
+void apply_group_as(const BackwardRows& a, int64_t first, int64_t count, const C* weight, const C* bias,
+                    const BackwardCoefficients* coefficients, C* dweight, C* dbias) {
+  const int64_t n = a.cols;
+  const S* saved[kRowGroup];
+  const G* dy[kRowGroup];
+  const S* residual[kRowGroup];
+  S* dx[kRowGroup];
+  GroupRowConstants<C> k[kRowGroup];
+  for (int64_t i = 0; i < count; ++i) {
+    const BackwardRow<S, G, C> r(a, first + i, weight, bias);
+    const BackwardCoefficients& c = coefficients[i];
+    saved[i] = r.saved;
+    dy[i] = r.dy;
+    residual[i] = r.grad_residual;
+    dx[i] = r.dx;
+    const double xs = kSavedOut ? 1.0 : r.rstd;
+    k[i] = {static_cast<C>(r.center),           static_cast<C>(xs),
+            static_cast<C>(-c.delta * xs),      static_cast<C>(r.rstd),
+            static_cast<C>(-c.mean_g * r.rstd), static_cast<C>(c.mean_gx * r.rstd),
+            static_cast<C>(c.mean_g),           static_cast<C>(c.mean_gx)};
+  }
+  for (int64_t c0 = 0; c0 < n; c0 += kColumnBlock) {
+    const int64_t c1 = min64(n, c0 + kColumnBlock);
+    int64_t i = 0;
+    for (; i + 2 <= count; i += 2) {
+      rows_block<2, kSavedOut, kResidual>(c0, c1, weight, bias, saved + i, dy + i, residual + i, dx + i, k + i,
+                                          dweight, dbias);
+    }
+    if (i < count) {
+      rows_block<1, kSavedOut, kResidual>(c0, c1, weight, bias, saved + i, dy + i, residual + i, dx + i, k + i,
+                                          dweight, dbias);
+    }
+  }
+}
+
+template <class S, class G, class C>
+void apply_group(const BackwardRows& a, int64_t first, int64_t count, const C* weight, const C* bias,
+                 const BackwardCoefficients* coefficients, C* dweight, C* dbias) {
+  auto run = [&](auto saved_out_tag, auto residual_tag) {
+    apply_group_as<decltype(saved_out_tag)::value, decltype(residual_tag)::value, S, G, C>(
+        a, first, count, weight, bias, coefficients, dweight, dbias);
+  };
+  const bool residual = a.grad_residual_out != nullptr;
+  if (a.saved_is_output) {
+    if (residual) {
+      run(std::true_type{}, std::true_type{});
+    } else {
+      run(std::true_type{}, std::false_type{});
+    }
+  } else if (residual) {
+    run(std::false_type{}, std::true_type{});
+  } else {
+    run(std::false_type{}, std::false_type{});
+  }
+}
+
+// The sums {g, g * d, d} (BackwardRow::sums) of R rows at once over their n columns: the weight read once for
+// the R rows, two columns vectors per step, one float accumulator per sum, row and column parity, flushed
+// into double vectors every kFlushVectors vectors.
+template <int R, bool kWeight, bool kSavedOut, class S, class G, class C>
+void rows_sums(int64_t n, const C* weight, const C* bias, const S* const* saved, const G* const* dy,
+               const C* center, std::array<double, 3>* out) {
+  constexpr int64_t L = kLanes<C>;
+  const int64_t full = n - n % L;
+  Vec<double> total[R][3] = {};
+  auto term = [&](int64_t j, int64_t cnt, Vec<C> (&acc)[R][3]) {
+    Vec<C> w_v = broadcast<C>(C(1)), b_v = Vec<C>{};
+    if constexpr (kWeight) w_v = load_at<C>(weight, j, cnt);
+    if constexpr (kSavedOut) {
+      if (bias != nullptr) b_v = load_at<C>(bias, j, cnt);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const Vec<C> dy_v = load_at<C>(dy[i], j, cnt);
+      const Vec<C> x = load_at<C>(saved[i], j, cnt);
+      Vec<C> d;
+      if constexpr (kSavedOut) {
+        d = x - b_v;  // out = xhat * weight + bias
+        if constexpr (kWeight) d = d / w_v;
+      } else {
+        d = x - broadcast<C>(center[i]);
+      }
+      const Vec<C> g = kWeight ? dy_v * w_v : dy_v;
+      acc[i][0] += g;
+      acc[i][1] += g * d;
+      acc[i][2] += d;
+    }
+  };
+  for (int64_t start = 0; start < full; start += kFlushVectors * L) {
+    const int64_t stop = min64(full, start + kFlushVectors * L);
+    Vec<C> acc0[R][3] = {}, acc1[R][3] = {};
+    int64_t j = start;
+    for (; j + 2 * L <= stop; j += 2 * L) {
+      term(j, L, acc0);
+      term(j + L, L, acc1);
+    }
+    if (j < stop) term(j, L, acc0);
+    for (int i = 0; i < R; ++i) {
+      for (int k = 0; k < 3; ++k) total[i][k] += widen<C>(acc0[i][k] + acc1[i][k]);
+    }
+  }
+  if (full < n) {
+    Vec<C> acc[R][3] = {};
+    term(full, n - full, acc);  // the padding lanes: loaded as 0, but d = -center there
+    for (int i = 0; i < R; ++i) {
+      for (int k = 0; k < 3; ++k) total[i][k] += widen<C>(keep_first<C>(acc[i][k], n - full));
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int k = 0; k < 3; ++k) out[i][k] = horizontal_sum(total[i][k]);
+  }
+}
+
+// The sums of rows [first, first + count), two rows at a time.
+template <class S, class G, class C>
+void group_sums(const BackwardRows& a, int64_t first, int64_t count, const C* weight, const C* bias,
+                std::array<double, 3>* out) {
+  const S* saved[kRowGroup];
+  const G* dy[kRowGroup];
+  C center[kRowGroup];
+  for (int64_t i = 0; i < count; ++i) {
+    const BackwardRow<S, G, C> r(a, first + i, weight, bias);
+    saved[i] = r.saved;
+    dy[i] = r.dy;
+    center[i] = static_cast<C>(r.center);
+  }
+  auto run = [&](auto weight_tag, auto saved_out_tag) {
+    constexpr bool kWeight = decltype(weight_tag)::value, kSavedOut = decltype(saved_out_tag)::value;
+    int64_t i = 0;
+    for (; i + 2 <= count; i += 2) {
+      rows_sums<2, kWeight, kSavedOut>(a.cols, weight, bias, saved + i, dy + i, center + i, out + i);
+    }
+    if (i < count) rows_sums<1, kWeight, kSavedOut>(a.cols, weight, bias, saved + i, dy + i, center + i, out + i);
+  };
+  auto with_saved = [&](auto weight_tag) {
+    if (a.saved_is_output) {
+      run(weight_tag, std::true_type{});
+    } else {
+      run(weight_tag, std::false_type{});
+    }
+  };
+  if (weight != nullptr) {
+    with_saved(std::true_type{});
+  } else {
+    with_saved(std::false_type{});
+  }
+}
 
 template <class S, class G, class C>
 void backward_rows_as(const BackwardRows& a, int64_t begin, int64_t end, C* dweight, C* dbias) {
@@ -658,17 +887,12 @@ void backward_rows_as(const BackwardRows& a, int64_t begin, int64_t end, C* dwei
   for (int64_t first = begin; first < end; first += group) {
     const int64_t count = min64(group, end - first);
     BackwardCoefficients coefficients[kRowGroup];
+    std::array<double, 3> sums[kRowGroup];
+    group_sums<S, G, C>(a, first, count, weight, bias, sums);
     for (int64_t i = 0; i < count; ++i) {
-      const BackwardRow<S, G, C> r(a, first + i, weight, bias);
-      coefficients[i] = backward_coefficients(a, r.rstd, r.sums(0, n));
+      coefficients[i] = backward_coefficients(a, BackwardRow<S, G, C>::stat(a.rstd, a.stats_double, first + i), sums[i]);
     }
-    for (int64_t c0 = 0; c0 < n; c0 += kColumnBlock) {
-      const int64_t c1 = min64(n, c0 + kColumnBlock);
-      for (int64_t i = 0; i < count; ++i) {
-        const BackwardCoefficients& k = coefficients[i];
-        BackwardRow<S, G, C>(a, first + i, weight, bias).apply(c0, c1, k.delta, k.mean_g, k.mean_gx, dweight, dbias);
-      }
-    }
+    apply_group<S, G, C>(a, first, count, weight, bias, coefficients, dweight, dbias);
   }
 }
 
