@@ -755,3 +755,14 @@ def test_rows_of_no_elements(fn: str, device: str) -> None:
     else:
         _, _, rstd = torch.ops.layernorm_ext.rms_norm_fwd(x.detach(), [0], None, None)
         assert rstd.shape == (3,) and rstd.isnan().all()
+
+
+# ---- many rows: dweight / dbias are sums over tens of thousands of rows -------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec",
+    _params([_spec("rms_norm", (70000,), (64,)), _spec("add_layer_norm", (70000,), (64,), dtype=BF16, wdtype=F32)]),
+)
+def test_many_rows(spec: Spec, device: str) -> None:
+    run_case(spec, device)

@@ -41,6 +41,9 @@ constexpr int64_t kSegmentCols = 1 << 14;
 constexpr int64_t kMaxChunks = 64;
 constexpr int64_t kMinChunkRows = 8;
 constexpr int64_t kMaxPartialElems = 1 << 18;
+// Within a chunk, the row kernels add at most this many rows into a block partial of their compute type before
+// it is added into the chunk's double partial: float sums of thousands of rows would lose digits.
+constexpr int64_t kBlockRows = 64;
 
 // ---- instruction set ----------------------------------------------------------------------------------------
 bool cpu_has(const char* isa) {
@@ -288,8 +291,9 @@ void forward(const NormForwardParams& p) {
 
 namespace {
 
-// dweight / dbias: each chunk of rows adds into its own partial row of P (the row kernels' compute type),
-// then the chunks are summed in order, in double, parallel over columns.
+// dweight / dbias: each block of <= kBlockRows rows adds into a block partial of P (the row kernels' compute
+// type), which is added into its chunk's double partial row; then the chunks are summed in order, in double,
+// parallel over columns.
 template <typename P>
 void backward_with(const NormBackwardParams& p, const RowKernels& k, const BackwardRows& a) {
   const int64_t rows = p.rows;
@@ -300,45 +304,65 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
   const int64_t chunk_rows = (rows + chunks_wanted - 1) / chunks_wanted;
   const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
   // Reused across calls (per calling thread): a fresh multi-megabyte buffer would page-fault on every call.
-  thread_local std::vector<P> dweight_scratch, dbias_scratch;
-  auto zeroed = [](std::vector<P>& scratch, int64_t size) {
+  thread_local std::vector<double> dweight_scratch, dbias_scratch;
+  auto zeroed = [](auto& scratch, int64_t size) {
     if (static_cast<int64_t>(scratch.size()) < size) scratch.resize(size);
-    std::fill(scratch.begin(), scratch.begin() + size, P(0));
+    std::fill(scratch.begin(), scratch.begin() + size, 0);
     return scratch.data();
   };
-  P* dweight_partial = p.grad_weight != nullptr ? zeroed(dweight_scratch, chunks * cols) : nullptr;
-  P* dbias_partial = p.grad_bias != nullptr ? zeroed(dbias_scratch, chunks * cols) : nullptr;
-  auto partial_of = [&](P* partial, int64_t chunk) { return partial == nullptr ? nullptr : partial + chunk * cols; };
+  double* dweight_partial = p.grad_weight != nullptr ? zeroed(dweight_scratch, chunks * cols) : nullptr;
+  double* dbias_partial = p.grad_bias != nullptr ? zeroed(dbias_scratch, chunks * cols) : nullptr;
+  const bool want_partials = dweight_partial != nullptr || dbias_partial != nullptr;
+
+  // Rows [begin, end) of one chunk, in blocks: add_block(block_begin, block_end, dweight, dbias) adds a block's
+  // terms into the (zeroed) block partials given, which then go into the chunk's double partials.
+  auto run_chunk = [&](int64_t chunk, int64_t begin, int64_t end, auto&& add_block) {
+    thread_local std::vector<P> block_dweight, block_dbias;
+    P* bw = dweight_partial != nullptr ? zeroed(block_dweight, cols) : nullptr;
+    P* bb = dbias_partial != nullptr ? zeroed(block_dbias, cols) : nullptr;
+    for (int64_t r0 = begin; r0 < end; r0 += kBlockRows) {
+      add_block(r0, std::min(end, r0 + kBlockRows), bw, bb);
+      if (!want_partials) continue;
+      for (auto [block, chunk_partial] : {std::pair{bw, dweight_partial}, std::pair{bb, dbias_partial}}) {
+        if (block == nullptr) continue;
+        double* dst = chunk_partial + chunk * cols;
+        for (int64_t j = 0; j < cols; ++j) {
+          dst[j] += static_cast<double>(block[j]);
+          block[j] = P(0);
+        }
+      }
+    }
+  };
 
   if (split_rows(rows, cols)) {
     // A few long rows: each row's passes run over column ranges in parallel (ranges write disjoint columns).
     const BackwardSegmentSumsFn sums_fn = k.backward_segment_sums(saved, grad);
     const BackwardSegmentApplyFn apply_fn = k.backward_segment_apply(saved, grad);
     for (int64_t row = 0; row < rows; ++row) {
-      P* dweight = partial_of(dweight_partial, row / chunk_rows);
-      P* dbias = partial_of(dbias_partial, row / chunk_rows);
-      const std::array<double, 3> sums = ordered_sums<3>(
-          cols, [&](int64_t c0, int64_t c1, double* out) { sums_fn(a, row, c0, c1, out); });
-      for_each_range(cols, [&](int64_t, int64_t c0, int64_t c1) {
-        apply_fn(a, row, c0, c1, sums.data(), dweight, dbias);
+      run_chunk(row / chunk_rows, row, row + 1, [&](int64_t, int64_t, P* dweight, P* dbias) {
+        const std::array<double, 3> sums = ordered_sums<3>(
+            cols, [&](int64_t c0, int64_t c1, double* out) { sums_fn(a, row, c0, c1, out); });
+        for_each_range(cols, [&](int64_t, int64_t c0, int64_t c1) {
+          apply_fn(a, row, c0, c1, sums.data(), dweight, dbias);
+        });
       });
     }
   } else {
     const BackwardRowsFn rows_fn = k.backward_rows(saved, grad);
     at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
       for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-        rows_fn(a, c * chunk_rows, std::min(rows, (c + 1) * chunk_rows), partial_of(dweight_partial, c),
-                partial_of(dbias_partial, c));
+        run_chunk(c, c * chunk_rows, std::min(rows, (c + 1) * chunk_rows),
+                  [&](int64_t r0, int64_t r1, P* dweight, P* dbias) { rows_fn(a, r0, r1, dweight, dbias); });
       }
     });
   }
 
-  auto reduce = [&](const P* partial, void* dst) {
+  auto reduce = [&](const double* partial, void* dst) {
     at::parallel_for(0, cols, 4096, [&](int64_t begin, int64_t end) {
       std::vector<double> sum(end - begin, 0.0);
       for (int64_t c = 0; c < chunks; ++c) {
-        const P* src = partial + c * cols;
-        for (int64_t j = begin; j < end; ++j) sum[j - begin] += static_cast<double>(src[j]);
+        const double* src = partial + c * cols;
+        for (int64_t j = begin; j < end; ++j) sum[j - begin] += src[j];
       }
       store_param(sum.data(), dst, p.weight_type, begin, end - begin);
     });
