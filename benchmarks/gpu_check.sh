@@ -61,7 +61,7 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts=-ra)
 "$PY" -c 'import pytest_timeout' 2>/dev/null && PYTEST+=(--timeout 120)
 NOT_ISA=$(timeout 60 "$PY" -c 'import layernorm_ext as L; print(" and ".join("not " + i for i in L.native.supported_cpu_isas()[1:]))' 2>/dev/null)
 step test_cuda 150 225 test_cuda.log "${PYTEST[@]}" tests/test_cuda.py
-step test_others 120 165 test_others.log "${PYTEST[@]}" tests --ignore=tests/test_cuda.py -k "cuda${NOT_ISA:+ and $NOT_ISA}"
+step test_others 120 165 test_others.log "${PYTEST[@]}" tests --ignore=tests/test_cuda.py --ignore=tests/test_cuda_emulation.py -k "cuda${NOT_ISA:+ and $NOT_ISA}"
 
 # ---- 3. compute-sanitizer over one call per kernel path --------------------------------------------------------
 CS=$(command -v compute-sanitizer)
