@@ -64,14 +64,12 @@ def _extensions():
         extension = CppExtension(name="layernorm_ext._C", sources=sources, extra_compile_args={"cxx": cxx_flags})
         return [extension], {"build_ext": BuildExtension}
 
-    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-        os.environ["TORCH_CUDA_ARCH_LIST"] = sources_module.DEFAULT_CUDA_ARCHS
+    arch_list = sources_module.configure_arch_list(gpu_visible=torch.cuda.is_available())
     nvcc_flags = list(sources_module.NVCC_FLAGS)
     if os.environ.get("LAYERNORM_EXT_VERBOSE", "0") == "1":
         nvcc_flags += list(sources_module.NVCC_VERBOSE_FLAGS)
     print(
-        f"layernorm_ext: building the CUDA kernels with {cuda_home} for "
-        f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '(the visible GPUs)')}",
+        f"layernorm_ext: building the CUDA kernels with {cuda_home} for TORCH_CUDA_ARCH_LIST={arch_list}",
         file=sys.stderr,
     )
     sources = [f"csrc/{name}" for name in sources_module.CPU_SOURCES + sources_module.CUDA_SOURCES]

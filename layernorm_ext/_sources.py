@@ -114,3 +114,11 @@ def configure_cuda_home() -> str | None:
 
 def force_cuda() -> bool:
     return os.environ.get("FORCE_CUDA", "0") == "1"
+
+
+def configure_arch_list(gpu_visible: bool) -> str:
+    """TORCH_CUDA_ARCH_LIST for a CUDA build: as set, else (no GPU visible) DEFAULT_CUDA_ARCHS; with a GPU
+    visible and nothing set, torch builds for that GPU. Returns what the build will use, for messages."""
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not gpu_visible:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
+    return os.environ.get("TORCH_CUDA_ARCH_LIST", "(the visible GPUs)")

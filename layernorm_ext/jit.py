@@ -19,6 +19,7 @@ from ._sources import (
     NVCC_FLAGS,
     NVCC_VERBOSE_FLAGS,
     WITH_CUDA_DEFINE,
+    configure_arch_list,
     configure_cuda_home,
     force_cuda,
     source_paths,
@@ -48,8 +49,11 @@ def load(verbose: bool | None = None) -> ModuleType:
     import torch.utils.cpp_extension as cpp_extension
 
     if with_cuda:
+        import torch
+
         # If cpp_extension was imported earlier, it may hold a wrong guess (e.g. nvcc on PATH is a wrapper).
         cpp_extension.CUDA_HOME = configure_cuda_home()
+        configure_arch_list(gpu_visible=torch.cuda.is_available())
 
     if verbose is None:
         verbose = os.environ.get("LAYERNORM_EXT_VERBOSE", "0") == "1"
