@@ -312,7 +312,6 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
   };
   double* dweight_partial = p.grad_weight != nullptr ? zeroed(dweight_scratch, chunks * cols) : nullptr;
   double* dbias_partial = p.grad_bias != nullptr ? zeroed(dbias_scratch, chunks * cols) : nullptr;
-  const bool want_partials = dweight_partial != nullptr || dbias_partial != nullptr;
 
   // Rows [begin, end) of one chunk, in blocks: add_block(block_begin, block_end, dweight, dbias) adds a block's
   // terms into the (zeroed) block partials given, which then go into the chunk's double partials.
@@ -322,7 +321,6 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
     P* bb = dbias_partial != nullptr ? zeroed(block_dbias, cols) : nullptr;
     for (int64_t r0 = begin; r0 < end; r0 += kBlockRows) {
       add_block(r0, std::min(end, r0 + kBlockRows), bw, bb);
-      if (!want_partials) continue;
       for (auto [block, chunk_partial] : {std::pair{bw, dweight_partial}, std::pair{bb, dbias_partial}}) {
         if (block == nullptr) continue;
         double* dst = chunk_partial + chunk * cols;
