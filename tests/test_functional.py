@@ -244,6 +244,13 @@ def _aten_params(h: Tensor, w: Tensor | None, b: Tensor | None) -> tuple[Tensor 
     return w.to(h.dtype), (b.to(h.dtype) if b is not None else None)
 
 
+def aten_lacks_mixed_layer_norm(h: Tensor, w: Tensor | None, b: Tensor | None) -> bool:
+    """ATen's CUDA layer_norm takes no float32 weight / bias with a float16 / bfloat16 input (it raises
+    "expected scalar type BFloat16 but found Float"); its CPU kernel and both devices' rms_norm do."""
+    params = [t for t in (w, b) if t is not None]
+    return h.is_cuda and h.dtype in (torch.float16, torch.bfloat16) and any(t.dtype == torch.float32 for t in params)
+
+
 def _aten(spec: Spec, inp: Inputs) -> tuple[Tensor, Tensor | None]:
     h = inp.x
     if spec.residual:
@@ -252,6 +259,12 @@ def _aten(spec: Spec, inp: Inputs) -> tuple[Tensor, Tensor | None]:
     w, b = _aten_params(h, inp.w, inp.b)
     if spec.rms:
         out = F.rms_norm(h, spec.norm, w, spec.eps)
+    elif aten_lacks_mixed_layer_norm(h, w, b):
+        # The stand-in for ATen where it has no such kernel: ATen's float32 layer_norm of the exactly upcast
+        # input, rounded to the input's dtype (the casts are differentiable: the gradient of the half input is
+        # ATen's float32 gradient rounded). This is the most a float32 computation can achieve, so the rule
+        # holds ours to at least what ATen's CPU mixed-dtype kernel would reach.
+        out = F.layer_norm(h.float(), spec.norm, w, b, spec.eps)
     else:
         out = F.layer_norm(h, spec.norm, w, b, spec.eps)
     return out.to(spec.dtype), (h if spec.residual else None)
