@@ -10,10 +10,12 @@
 //   - long rows (beyond the registers of 512 threads): one block per row; the forward stages the row in
 //     shared memory when it fits, else reads it twice (the second read mostly from L2); the backward reads
 //     twice and keeps its dweight/dbias partials in a global buffer row owned by the block.
-// Statistics: each thread's (count, mean, M2) from the values it holds (a Welford state, formed exactly from
-// registers), merged across the row's lanes with Chan's formula over __shfl_xor_sync butterflies, always
+// Statistics: rows in registers take two passes over them (LayerNorm: the sum for a shift, the rounded mean;
+// then the sums of h - shift and of its square; RMSNorm: the sum of squares). Each thread adds its own
+// values in the compute type; the threads' sums are added in double over __shfl_xor_sync butterflies, always
 // lower lane first so every lane gets the same bits, then across warps through shared memory in warp order.
-// RMSNorm reduces the sum of squares. Accumulation in float (double for float64 rows).
+// Long rows merge per-thread Welford states (count, mean, M2) in double with Chan's formula. rstd is rounded
+// once from a double variance. The backward corrects xhat for the stored mean's rounding (delta = mean(d)).
 #pragma once
 
 //
@@ -143,16 +145,19 @@ __device__ __forceinline__ Welford<A> combine(const Welford<A>& a, const Welford
   return {n, a.mean + delta * b_share, a.m2 + b.m2 + delta * delta * a.n * b_share};
 }
 
-// Two running sums (RMSNorm: sum of squares in .a; backward: sum(g) and sum(g * xhat)). Addition commutes
-// exactly, so butterflies give every lane the same bits.
-template <typename A>
+// K running sums (RMSNorm forward: the sum of squares; backward: sum(g), sum(g * d) and, for LayerNorm,
+// sum(d)). Addition commutes exactly, so butterflies give every lane the same bits.
+template <typename A, int K>
 struct Sums {
-  A a, b;
+  A v[K];
 };
 
-template <typename A>
-__device__ __forceinline__ Sums<A> combine(const Sums<A>& x, const Sums<A>& y) {
-  return {x.a + y.a, x.b + y.b};
+template <typename A, int K>
+__device__ __forceinline__ Sums<A, K> combine(const Sums<A, K>& x, const Sums<A, K>& y) {
+  Sums<A, K> r;
+#pragma unroll
+  for (int k = 0; k < K; ++k) r.v[k] = x.v[k] + y.v[k];
+  return r;
 }
 
 template <typename A>
@@ -161,9 +166,12 @@ __device__ __forceinline__ Welford<A> shfl_xor(const Welford<A>& s, int offset) 
           __shfl_xor_sync(0xffffffffu, s.m2, offset)};
 }
 
-template <typename A>
-__device__ __forceinline__ Sums<A> shfl_xor(const Sums<A>& s, int offset) {
-  return {__shfl_xor_sync(0xffffffffu, s.a, offset), __shfl_xor_sync(0xffffffffu, s.b, offset)};
+template <typename A, int K>
+__device__ __forceinline__ Sums<A, K> shfl_xor(const Sums<A, K>& s, int offset) {
+  Sums<A, K> r;
+#pragma unroll
+  for (int k = 0; k < K; ++k) r.v[k] = __shfl_xor_sync(0xffffffffu, s.v[k], offset);
+  return r;
 }
 
 // All-reduce over the `lanes` threads of one row: a power of two up to 32 (a sub-warp, aligned inside its
@@ -202,9 +210,9 @@ struct ForwardArgs {
   A* rstd;
   int64_t rows;
   int64_t cols;
-  int64_t units;  // cols / kVec
-  A inv_cols;     // 1 / cols, rounded once on the host
-  A eps;
+  int64_t units;    // cols / kVec
+  double inv_cols;  // 1 / cols, rounded once on the host
+  double eps;
   ScalarType residual_type;
   int lanes;         // threads per row
   int rows_per_block;
@@ -227,13 +235,20 @@ __device__ __forceinline__ void load_h(const ForwardArgs<A>& a, int64_t unit, A 
   }
 }
 
-// out = (h - mean) * rstd * weight + bias (LayerNorm) or h * rstd * weight (RMSNorm), for one pack.
+// A row's statistics as the normalization uses them: xhat = ((h - shift) - corr) * rstd (LayerNorm; h - shift
+// is exact near the mean and corr the small rest of the mean) or h * rstd (RMSNorm).
+template <typename A>
+struct RowStats {
+  A shift, corr, rstd;
+};
+
+// out = xhat * weight + bias (LayerNorm) or xhat * weight (RMSNorm), for one pack.
 template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
 __device__ __forceinline__ void normalize_store(const ForwardArgs<A>& a, int64_t row, int64_t col_unit,
-                                                const A (&h)[kVec], A mean, A rstd) {
+                                                const A (&h)[kVec], const RowStats<A>& st) {
   A y[kVec];
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) y[j] = kRms ? h[j] * rstd : (h[j] - mean) * rstd;
+  for (int j = 0; j < kVec; ++j) y[j] = kRms ? h[j] * st.rstd : ((h[j] - st.shift) - st.corr) * st.rstd;
   if (a.weight != nullptr) {
     A w[kVec];
     load_pack<A, Tw, kVec>(a.weight, col_unit, w);
@@ -249,17 +264,23 @@ __device__ __forceinline__ void normalize_store(const ForwardArgs<A>& a, int64_t
   store_pack<Tin, A, kVec>(a.out, row * a.units + col_unit, y);
 }
 
+// The row's statistics from its mean, given as shift + mean_rest (shift of the compute type, the rest in
+// double), and its (biased) variance, or mean square for RMSNorm, in double. eps and the reciprocal square
+// root are taken in double, so that rstd is rounded once: dx is proportional to rstd, and for short rows
+// (N = 1: dx is proportional to 1 - xhat^2) sensitive to every rounding of it. The stored mean is rounded once
+// too. `writer` stores them for the backward.
 template <bool kRms, typename A>
-__device__ __forceinline__ void finish_stats(const ForwardArgs<A>& a, int64_t row, bool writer, A mean_or_zero,
-                                             A sum_sq_dev, A* mean_out, A* rstd_out) {
-  const A var = sum_sq_dev * a.inv_cols;  // biased, as the norms define it
-  const A rstd = reciprocal_sqrt(var + a.eps);
-  *mean_out = mean_or_zero;
-  *rstd_out = rstd;
+__device__ __forceinline__ RowStats<A> finish_stats(const ForwardArgs<A>& a, int64_t row, bool writer, A shift,
+                                                    double mean_rest, double var) {
+  RowStats<A> st;
+  st.shift = shift;
+  st.corr = static_cast<A>(mean_rest);
+  st.rstd = static_cast<A>(::rsqrt((var > 0.0 ? var : 0.0) + a.eps));
   if (writer) {
-    if (!kRms) a.mean[row] = mean_or_zero;
-    a.rstd[row] = rstd;
+    if (!kRms) a.mean[row] = static_cast<A>(static_cast<double>(shift) + mean_rest);
+    a.rstd[row] = st.rstd;
   }
+  return st;
 }
 
 constexpr int kMaxRowThreads = 512;   // threads per row of the register paths, and block size of the long path
@@ -267,13 +288,17 @@ constexpr int kSmallRowsBlock = 128;  // block size when a (sub-)warp handles a 
 
 // Register path. Thread mapping: block = rows_per_block groups of `lanes` threads; group g handles row
 // blockIdx.x * rows_per_block + g (grid-striding); lane l holds packs l, l + lanes, ... (kPacks of them) of
-// the row in registers as the compute type. One all-reduce of the Welford state (sum of squares for RMSNorm),
-// then each lane normalizes the values it holds.
+// the row in registers as the compute type. Statistics in two passes over the registers: LayerNorm
+// all-reduces the row's sum for a shift (the mean, rounded), then the sums of d = h - shift and d^2 (exact
+// centring: no Welford divisions, and a variance free of the mean's rounding); RMSNorm the sum of squares.
+// Each lane adds its own values in the compute type, the lanes' sums are added in double. Then each lane
+// normalizes the values it holds.
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, int kPacks>
 __global__ void __launch_bounds__(kMaxRowThreads) forward_rows_kernel(ForwardArgs<acc_t<Th>> a) {
   using A = acc_t<Th>;
-  using Stat = std::conditional_t<kRms, Sums<A>, Welford<A>>;
-  __shared__ Stat scratch[kMaxRowThreads / 32];
+  using Moments = Sums<double, kRms ? 1 : 2>;
+  __shared__ Sums<A, 1> shift_scratch[kMaxRowThreads / 32];
+  __shared__ Moments scratch[kMaxRowThreads / 32];
   const int group = threadIdx.x / a.lanes;
   const int lane = threadIdx.x % a.lanes;
   const int64_t row_step = static_cast<int64_t>(gridDim.x) * a.rows_per_block;
@@ -281,7 +306,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_rows_kernel(ForwardArg
     const int64_t row = base + group;
     const bool row_ok = row < a.rows;
     A h[kPacks][kVec];
-    int held = 0;  // packs this lane holds
+    int held = 0;  // packs this lane holds (the first `held`)
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
       const int64_t unit = static_cast<int64_t>(p) * a.lanes + lane;
@@ -293,59 +318,65 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_rows_kernel(ForwardArg
         for (int j = 0; j < kVec; ++j) h[p][j] = A(0);
       }
     }
-    // The lane's own statistics, exactly, from registers (absent packs are zeros and are skipped).
-    Stat s;
-    if constexpr (kRms) {
-      A sq = A(0);
-#pragma unroll
-      for (int p = 0; p < kPacks; ++p)
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) sq += h[p][j] * h[p][j];
-      s = {sq, A(0)};
-    } else {
-      A sum = A(0);
+    A shift = A(0);
+    if constexpr (!kRms) {
+      A sum = A(0);  // absent packs are zeros
 #pragma unroll
       for (int p = 0; p < kPacks; ++p)
 #pragma unroll
         for (int j = 0; j < kVec; ++j) sum += h[p][j];
-      const A n = static_cast<A>(held * kVec);
-      const A mean = held > 0 ? sum * reciprocal(n) : A(0);
-      A m2 = A(0);
+      const Sums<A, 1> total = row_allreduce(Sums<A, 1>{{sum}}, a.lanes, shift_scratch);
+      shift = static_cast<A>(static_cast<double>(total.v[0]) * a.inv_cols);
+    }
+    A first = A(0), second = A(0);  // LayerNorm: sum(d), sum(d^2); RMSNorm: sum(h^2)
 #pragma unroll
-      for (int p = 0; p < kPacks; ++p) {
-        if (p < held) {
+    for (int p = 0; p < kPacks; ++p) {
+      if (p < held) {
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) m2 += (h[p][j] - mean) * (h[p][j] - mean);
+        for (int j = 0; j < kVec; ++j) {
+          const A d = h[p][j] - shift;
+          first += d;
+          second += d * d;
         }
       }
-      s = {n, mean, m2};
     }
-    s = row_allreduce(s, a.lanes, scratch);
-    A mean, rstd;
+    Moments m;
     if constexpr (kRms) {
-      finish_stats<kRms>(a, row, row_ok && lane == 0, A(0), s.a, &mean, &rstd);
+      m.v[0] = static_cast<double>(second);
     } else {
-      finish_stats<kRms>(a, row, row_ok && lane == 0, s.mean, s.m2, &mean, &rstd);
+      m.v[0] = static_cast<double>(first);
+      m.v[1] = static_cast<double>(second);
+    }
+    m = row_allreduce(m, a.lanes, scratch);
+    RowStats<A> st;
+    if constexpr (kRms) {
+      st = finish_stats<kRms>(a, row, row_ok && lane == 0, A(0), 0.0, m.v[0] * a.inv_cols);
+    } else {
+      const double rest = m.v[0] * a.inv_cols;  // mean(d): what the shift lacks of the mean
+      st = finish_stats<kRms>(a, row, row_ok && lane == 0, shift, rest, m.v[1] * a.inv_cols - rest * rest);
     }
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
       if (p < held) {
-        normalize_store<Tin, Tw, kRms, A, kVec>(a, row, static_cast<int64_t>(p) * a.lanes + lane, h[p], mean,
-                                                rstd);
+        normalize_store<Tin, Tw, kRms, A, kVec>(a, row, static_cast<int64_t>(p) * a.lanes + lane, h[p], st);
       }
     }
   }
 }
 
 // Long-row path. Thread mapping: one block of kMaxRowThreads per row (grid-striding over rows); thread t
-// handles packs t, t + blockDim, ... Pass 1 reads h once, merges each pack's exact Welford state into the
+// handles packs t, t + blockDim, ... Pass 1 reads h once, merges each pack's Welford state into the
 // thread's (sum of squares for RMSNorm) and, when the row fits (dynamic shared memory given), stages h in
 // shared memory as the compute type. Block all-reduce; pass 2 normalizes from shared memory, or re-reads
 // the row (the input, or residual_out that the same thread wrote in pass 1).
+// A thread merges hundreds of packs one after another (2^20 columns: 256 per thread), so its statistics and
+// the all-reduce are kept in double: in float the mean and rstd of such rows drift by tens of ulps, which
+// shows in dweight when only a row or two contribute.
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec>
 __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArgs<acc_t<Th>> a, bool staged) {
   using A = acc_t<Th>;
-  using Stat = std::conditional_t<kRms, Sums<A>, Welford<A>>;
+  using W = double;
+  using Stat = std::conditional_t<kRms, Sums<W, 1>, Welford<W>>;
   __shared__ Stat scratch[kMaxRowThreads / 32];
   LNX_DYNAMIC_SHARED(stage_bytes);
   A* stage = reinterpret_cast<A*>(stage_bytes);
@@ -356,16 +387,16 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       load_h<Tin, Th, A, kVec>(a, row * a.units + unit, h);
       if constexpr (kRms) {
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) s.a += h[j] * h[j];
+        for (int j = 0; j < kVec; ++j) s.v[0] += static_cast<W>(h[j]) * static_cast<W>(h[j]);
       } else {
-        A sum = A(0);
+        W sum = W(0);
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) sum += h[j];
-        const A mean = sum * (A(1) / A(kVec));  // kVec is a power of two: exact
-        A m2 = A(0);
+        for (int j = 0; j < kVec; ++j) sum += static_cast<W>(h[j]);
+        const W mean = sum * (W(1) / W(kVec));  // kVec is a power of two: exact
+        W m2 = W(0);
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) m2 += (h[j] - mean) * (h[j] - mean);
-        s = combine(s, Welford<A>{A(kVec), mean, m2});
+        for (int j = 0; j < kVec; ++j) m2 += (static_cast<W>(h[j]) - mean) * (static_cast<W>(h[j]) - mean);
+        s = combine(s, Welford<W>{W(kVec), mean, m2});
       }
       if (staged) {
 #pragma unroll
@@ -373,11 +404,12 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       }
     }
     s = row_allreduce(s, static_cast<int>(blockDim.x), scratch);  // also orders the staging writes
-    A mean, rstd;
+    RowStats<A> st;
     if constexpr (kRms) {
-      finish_stats<kRms>(a, row, threadIdx.x == 0, A(0), s.a, &mean, &rstd);
+      st = finish_stats<kRms>(a, row, threadIdx.x == 0, A(0), 0.0, s.v[0] * a.inv_cols);
     } else {
-      finish_stats<kRms>(a, row, threadIdx.x == 0, s.mean, s.m2, &mean, &rstd);
+      const A shift = static_cast<A>(s.mean);
+      st = finish_stats<kRms>(a, row, threadIdx.x == 0, shift, s.mean - static_cast<double>(shift), s.m2 * a.inv_cols);
     }
     for (int64_t unit = threadIdx.x; unit < a.units; unit += blockDim.x) {
       A h[kVec];
@@ -389,7 +421,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       } else {
         load_pack<A, Tin, kVec>(a.input, row * a.units + unit, h);
       }
-      normalize_store<Tin, Tw, kRms, A, kVec>(a, row, unit, h, mean, rstd);
+      normalize_store<Tin, Tw, kRms, A, kVec>(a, row, unit, h, st);
     }
     if (staged) __syncthreads();  // the next row overwrites the stage
   }
@@ -412,20 +444,21 @@ struct BackwardArgs {
   int64_t rows;
   int64_t cols;
   int64_t units;
-  A inv_cols;
+  double inv_cols;
   bool saved_is_output;
   int lanes;
   int rows_per_block;
 };
 
-// For one pack: xhat (from h and the statistics, or from the forward's output and the parameters) and
-// g = grad_out * weight.
+// For one pack: dy, d and g = dy * weight. d is saved minus the row's stored mean (LayerNorm; exact near the
+// mean), saved itself (RMSNorm), or, in memory-efficient mode, xhat recovered from the forward's output as
+// (out - bias) / weight.
 template <typename Tg, typename Ts, typename Tw, bool kRms, typename A, int kVec>
 __device__ __forceinline__ void backward_load(const BackwardArgs<A>& a, int64_t row, int64_t col_unit, A mean,
-                                              A rstd, A (&dy)[kVec], A (&xhat)[kVec], A (&g)[kVec]) {
+                                              A (&dy)[kVec], A (&d)[kVec], A (&g)[kVec]) {
   const int64_t unit = row * a.units + col_unit;
   load_pack<A, Tg, kVec>(a.grad_out, unit, dy);
-  load_pack<A, Ts, kVec>(a.saved, unit, xhat);
+  load_pack<A, Ts, kVec>(a.saved, unit, d);
   A w[kVec];
   if (a.weight != nullptr) {
     load_pack<A, Tw, kVec>(a.weight, col_unit, w);
@@ -438,29 +471,79 @@ __device__ __forceinline__ void backward_load(const BackwardArgs<A>& a, int64_t 
       A b[kVec];
       load_pack<A, Tw, kVec>(a.bias, col_unit, b);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) xhat[j] -= b[j];
+      for (int j = 0; j < kVec; ++j) d[j] -= b[j];
     }
     if (a.weight != nullptr) {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) xhat[j] /= w[j];
+      for (int j = 0; j < kVec; ++j) d[j] /= w[j];
     }
-  } else {
+  } else if (!kRms) {
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) xhat[j] = kRms ? xhat[j] * rstd : (xhat[j] - mean) * rstd;
+    for (int j = 0; j < kVec; ++j) d[j] -= mean;
   }
 #pragma unroll
   for (int j = 0; j < kVec; ++j) g[j] = dy[j] * w[j];
 }
 
-// grad_input = rstd * (g - (sum_g + xhat * sum_gx) / cols) (LayerNorm; RMSNorm drops sum_g), plus the
-// gradient flowing into residual_out.
-template <typename Ts, bool kRms, typename A, int kVec>
-__device__ __forceinline__ void backward_store(const BackwardArgs<A>& a, int64_t row, int64_t col_unit, A rstd,
-                                               A mean_g, A mean_gx, const A (&xhat)[kVec], const A (&g)[kVec]) {
+// The row sums of the backward: sum(g), sum(g * d) and, for LayerNorm, sum(d).
+template <typename A, bool kRms>
+using BackwardSums = Sums<A, kRms ? 2 : 3>;
+
+template <bool kRms, typename S, typename A, int kVec>
+__device__ __forceinline__ void add_backward_terms(BackwardSums<S, kRms>& s, const A (&d)[kVec], const A (&g)[kVec]) {
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    s.v[0] += static_cast<S>(g[j]);
+    s.v[1] += static_cast<S>(g[j]) * static_cast<S>(d[j]);
+    if constexpr (!kRms) s.v[2] += static_cast<S>(d[j]);
+  }
+}
+
+// A row's constants: xhat = (d - delta) * xscale and dx = rstd * (g - mean_g - xhat * mean_gx), evaluated as
+// rstd * fma(-(d - delta), k, g - mean_g) with k = xscale * mean_gx: the product with d is exact inside the
+// fused multiply-add, which matters where g - xhat * mean_gx cancels (N = 1: dx is proportional to
+// 1 - xhat^2). delta = mean(d) corrects the stored (rounded) mean: xhat is then centred exactly, and
+// sum(g * xhat) = rstd * (sum(g * d) - delta * sum(g)). Computed in double from the row sums, each rounded
+// once to the compute type.
+template <typename A>
+struct RowCoefficients {
+  A xscale, delta, rstd, mean_g, k;
+};
+
+__device__ __forceinline__ float fused_multiply_add(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+__device__ __forceinline__ double fused_multiply_add(double a, double b, double c) { return __fma_rn(a, b, c); }
+
+template <bool kRms, typename A, typename S>
+__device__ __forceinline__ RowCoefficients<A> row_coefficients(const BackwardArgs<A>& a, A rstd,
+                                                               const BackwardSums<S, kRms>& s) {
+  const double inv = a.inv_cols;
+  const double sum_g = static_cast<double>(s.v[0]), sum_gd = static_cast<double>(s.v[1]);
+  double delta = 0.0;
+  if constexpr (!kRms) delta = a.saved_is_output ? 0.0 : static_cast<double>(s.v[2]) * inv;
+  const double sum_gx = a.saved_is_output ? sum_gd : static_cast<double>(rstd) * (sum_gd - delta * sum_g);
+  RowCoefficients<A> c;
+  c.xscale = a.saved_is_output ? A(1) : rstd;
+  c.delta = static_cast<A>(delta);
+  c.rstd = rstd;
+  c.mean_g = kRms ? A(0) : static_cast<A>(sum_g * inv);
+  c.k = static_cast<A>(sum_gx * inv * static_cast<double>(c.xscale));
+  return c;
+}
+
+// For one pack: xhat from d (returned for the caller's dweight terms) and grad_input, plus the gradient
+// flowing into residual_out, stored.
+template <typename Ts, typename A, int kVec>
+__device__ __forceinline__ void backward_store(const BackwardArgs<A>& a, int64_t row, int64_t col_unit,
+                                               const RowCoefficients<A>& c, const A (&d)[kVec],
+                                               const A (&g)[kVec], A (&xhat)[kVec]) {
   const int64_t unit = row * a.units + col_unit;
   A dx[kVec];
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) dx[j] = rstd * (kRms ? g[j] - xhat[j] * mean_gx : g[j] - mean_g - xhat[j] * mean_gx);
+  for (int j = 0; j < kVec; ++j) {
+    const A centred = d[j] - c.delta;
+    xhat[j] = centred * c.xscale;
+    dx[j] = c.rstd * fused_multiply_add(-centred, c.k, g[j] - c.mean_g);
+  }
   if (a.grad_residual_out != nullptr) {
     A extra[kVec];
     load_pack<A, Ts, kVec>(a.grad_residual_out, unit, extra);
@@ -513,19 +596,21 @@ __device__ __forceinline__ void write_block_partials(const BackwardArgs<A>& a, A
 
 // Register path, persistent. Thread mapping as forward_rows_kernel (rows_per_block groups of `lanes`
 // threads, lane l owns packs l, l + lanes, ...), but the grid is sized to the GPU and each group strides over
-// rows. Registers: the row's grad_out, xhat and g for the lane's packs, and the lane's dweight / dbias
-// partials for its columns across all its rows. One all-reduce per row of (sum g, sum g*xhat). At the end the
+// rows. Registers: the row's grad_out, d and g for the lane's packs, and the lane's dweight / dbias partials
+// for its columns across all its rows. One all-reduce per row of (sum g, sum g*d, sum d). At the end the
 // groups of a block add their partials in group order through shared memory and the block writes one row of
 // the [gridDim.x, cols] partial buffers (reduce_partials_kernel finishes the sum in a fixed order).
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec, int kPacks>
 __global__ void __launch_bounds__(kMaxRowThreads) backward_rows_kernel(BackwardArgs<acc_t<Ts>> a) {
   using A = acc_t<Ts>;
-  __shared__ Sums<A> scratch[kMaxRowThreads / 32];
+  using S = BackwardSums<A, kRms>;
+  __shared__ S scratch[kMaxRowThreads / 32];
   LNX_DYNAMIC_SHARED(combine_bytes);  // blockDim.x * kPacks * kVec values, when rows_per_block > 1
   A* combine_buf = reinterpret_cast<A*>(combine_bytes);
   const int group = threadIdx.x / a.lanes;
   const int lane = threadIdx.x % a.lanes;
-  const bool want_partials = a.partial_dweight != nullptr || a.partial_dbias != nullptr;
+  const bool want_dweight = a.partial_dweight != nullptr;
+  const bool want_dbias = a.partial_dbias != nullptr;
   A dweight[kPacks][kVec];
   A dbias[kPacks][kVec];
 #pragma unroll
@@ -539,81 +624,74 @@ __global__ void __launch_bounds__(kMaxRowThreads) backward_rows_kernel(BackwardA
     const bool row_ok = row < a.rows;
     A mean = A(0), rstd = A(0);
     if (row_ok) row_stats(a, row, kRms, &mean, &rstd);
-    A dy[kPacks][kVec], xhat[kPacks][kVec], g[kPacks][kVec];
-    Sums<A> s{A(0), A(0)};
+    A dy[kPacks][kVec], d[kPacks][kVec], g[kPacks][kVec];
+    S s{};
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
       const int64_t col_unit = static_cast<int64_t>(p) * a.lanes + lane;
       if (row_ok && col_unit < a.units) {
-        backward_load<Tg, Ts, Tw, kRms, A, kVec>(a, row, col_unit, mean, rstd, dy[p], xhat[p], g[p]);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          s.a += g[p][j];
-          s.b += g[p][j] * xhat[p][j];
-        }
+        backward_load<Tg, Ts, Tw, kRms, A, kVec>(a, row, col_unit, mean, dy[p], d[p], g[p]);
+        add_backward_terms<kRms>(s, d[p], g[p]);
       }
     }
     s = row_allreduce(s, a.lanes, scratch);
-    const A inv_cols = a.inv_cols;
+    const RowCoefficients<A> c = row_coefficients<kRms>(a, rstd, s);
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
       const int64_t col_unit = static_cast<int64_t>(p) * a.lanes + lane;
       if (row_ok && col_unit < a.units) {
-        backward_store<Ts, kRms, A, kVec>(a, row, col_unit, rstd, s.a * inv_cols, s.b * inv_cols, xhat[p], g[p]);
-        if (want_partials) {
+        A xhat[kVec];
+        backward_store<Ts, A, kVec>(a, row, col_unit, c, d[p], g[p], xhat);
+        if (want_dweight) {
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            dweight[p][j] += dy[p][j] * xhat[p][j];
-            dbias[p][j] += dy[p][j];
-          }
+          for (int j = 0; j < kVec; ++j) dweight[p][j] += dy[p][j] * xhat[j];
+        }
+        if (want_dbias) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) dbias[p][j] += dy[p][j];
         }
       }
     }
   }
-  if (!want_partials) return;
-
   // Block partials: group 0 adds the other groups' values in group order, then writes the block's row.
-  if (a.partial_dweight != nullptr) write_block_partials(a, dweight, a.partial_dweight, combine_buf, group, lane);
-  if (a.partial_dbias != nullptr) write_block_partials(a, dbias, a.partial_dbias, combine_buf, group, lane);
+  if (want_dweight) write_block_partials(a, dweight, a.partial_dweight, combine_buf, group, lane);
+  if (want_dbias) write_block_partials(a, dbias, a.partial_dbias, combine_buf, group, lane);
 }
 
 // Long-row path, persistent: one block of kMaxRowThreads per row, striding over rows; thread t handles packs
-// t, t + blockDim, ... Pass 1 reads grad_out and saved for the row sums; pass 2 reads them again (mostly
-// from L2), writes grad_input and adds the dweight / dbias terms into the block's own row of the partial
-// buffers, which only thread t ever touches at its columns (no atomics; zeroed before the launch).
+// t, t + blockDim, ... Pass 1 reads grad_out and saved for the row sums (in double, as the forward's long
+// path: a thread adds hundreds of packs); pass 2 reads them again (mostly from L2), writes grad_input and adds
+// the dweight / dbias terms into the block's own row of the partial buffers, which only thread t ever touches
+// at its columns (no atomics; zeroed before the launch).
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec>
 __global__ void __launch_bounds__(kMaxRowThreads) backward_long_kernel(BackwardArgs<acc_t<Ts>> a) {
   using A = acc_t<Ts>;
-  __shared__ Sums<A> scratch[kMaxRowThreads / 32];
+  using S = BackwardSums<double, kRms>;
+  __shared__ S scratch[kMaxRowThreads / 32];
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     A mean, rstd;
     row_stats(a, row, kRms, &mean, &rstd);
-    Sums<A> s{A(0), A(0)};
+    S s{};
     for (int64_t col_unit = threadIdx.x; col_unit < a.units; col_unit += blockDim.x) {
-      A dy[kVec], xhat[kVec], g[kVec];
-      backward_load<Tg, Ts, Tw, kRms, A, kVec>(a, row, col_unit, mean, rstd, dy, xhat, g);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        s.a += g[j];
-        s.b += g[j] * xhat[j];
-      }
+      A dy[kVec], d[kVec], g[kVec];
+      backward_load<Tg, Ts, Tw, kRms, A, kVec>(a, row, col_unit, mean, dy, d, g);
+      add_backward_terms<kRms>(s, d, g);
     }
     s = row_allreduce(s, static_cast<int>(blockDim.x), scratch);
-    const A inv_cols = a.inv_cols;
+    const RowCoefficients<A> c = row_coefficients<kRms>(a, rstd, s);
     for (int64_t col_unit = threadIdx.x; col_unit < a.units; col_unit += blockDim.x) {
-      A dy[kVec], xhat[kVec], g[kVec];
-      backward_load<Tg, Ts, Tw, kRms, A, kVec>(a, row, col_unit, mean, rstd, dy, xhat, g);
-      backward_store<Ts, kRms, A, kVec>(a, row, col_unit, rstd, s.a * inv_cols, s.b * inv_cols, xhat, g);
-      const int64_t col = col_unit * kVec;
+      A dy[kVec], d[kVec], g[kVec];
+      backward_load<Tg, Ts, Tw, kRms, A, kVec>(a, row, col_unit, mean, dy, d, g);
+      A xhat[kVec];
+      backward_store<Ts, A, kVec>(a, row, col_unit, c, d, g, xhat);
+      const int64_t offset = blockIdx.x * a.cols + col_unit * kVec;
       if (a.partial_dweight != nullptr) {
-        A* pw = a.partial_dweight + blockIdx.x * a.cols + col;
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) pw[j] += dy[j] * xhat[j];
+        for (int j = 0; j < kVec; ++j) a.partial_dweight[offset + j] += dy[j] * xhat[j];
       }
       if (a.partial_dbias != nullptr) {
-        A* pb = a.partial_dbias + blockIdx.x * a.cols + col;
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) pb[j] += dy[j];
+        for (int j = 0; j < kVec; ++j) a.partial_dbias[offset + j] += dy[j];
       }
     }
   }
@@ -745,8 +823,8 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
   a.rows = p.rows;
   a.cols = p.cols;
   a.units = p.cols / kVec;
-  a.inv_cols = static_cast<A>(1.0 / static_cast<double>(p.cols));
-  a.eps = static_cast<A>(p.eps);
+  a.inv_cols = 1.0 / static_cast<double>(p.cols);
+  a.eps = p.eps;
   a.residual_type = p.residual_type;
   constexpr int kMax = max_packs<A, kVec>(false);
   const RowPlan plan = plan_rows(a.units, kMax);
@@ -826,7 +904,7 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
   a.rows = p.rows;
   a.cols = p.cols;
   a.units = p.cols / kVec;
-  a.inv_cols = static_cast<A>(1.0 / static_cast<double>(p.cols));
+  a.inv_cols = 1.0 / static_cast<double>(p.cols);
   a.saved_is_output = p.saved_is_output;
   constexpr int kMax = max_packs<A, kVec>(true);
   const RowPlan plan = plan_rows(a.units, kMax);
@@ -851,17 +929,22 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
     grid = persistent_grid(backward_long_kernel<Tg, Ts, Tw, kRms, kVec>, threads, 0, p.rows);
   }
 
-  // Partial buffers, [grid, cols] each, from the caching allocator on the current stream (graph-safe).
+  // Partial buffers, [grid, cols] each for dweight and (LayerNorm with a bias) dbias, from the caching allocator
+  // on the current stream (graph-safe). grid <= the row groups, so the workspace is
+  // (dweight + dbias) * min(row groups, resident blocks) * cols * sizeof(A) bytes (README, "Workspace").
   const bool want_dweight = p.grad_weight != nullptr;
   const bool want_dbias = !kRms && p.grad_bias != nullptr;
-  const size_t partial_bytes = static_cast<size_t>(grid) * p.cols * sizeof(A);
+  const size_t partial_elements = static_cast<size_t>(grid) * p.cols;
+  const size_t buffers = static_cast<size_t>(want_dweight) + static_cast<size_t>(want_dbias);
   c10::DataPtr scratch;
-  if (want_dweight || want_dbias) {
-    scratch = workspace(partial_bytes * 2);
+  if (buffers > 0) {
+    scratch = workspace(buffers * partial_elements * sizeof(A));
     A* base = static_cast<A*>(scratch.get());
     a.partial_dweight = want_dweight ? base : nullptr;
-    a.partial_dbias = want_dbias ? base + static_cast<size_t>(grid) * p.cols : nullptr;
-    if (plan.long_path) C10_CUDA_CHECK(cudaMemsetAsync(base, 0, partial_bytes * 2, stream));
+    a.partial_dbias = want_dbias ? base + (want_dweight ? partial_elements : 0) : nullptr;
+    if (plan.long_path) {
+      C10_CUDA_CHECK(cudaMemsetAsync(base, 0, buffers * partial_elements * sizeof(A), stream));
+    }
   } else {
     a.partial_dweight = nullptr;
     a.partial_dbias = nullptr;

@@ -1,6 +1,6 @@
 // A host emulation of the little of CUDA that csrc/cuda/norm_kernels.cuh uses, so that the very same kernel
-// and launcher code can run (slowly) on a machine without a GPU. Each CUDA thread of a block is a fiber
-// (ucontext) on the calling thread; blocks run one after another. __syncthreads switches to the next fiber,
+// and launcher code can run (slowly) on a machine without a GPU. Each CUDA thread of a block is a fiber on
+// the calling thread (a context switch of our own on x86-64, ucontext elsewhere); blocks run one after another. __syncthreads switches to the next fiber,
 // so the block's threads advance in lockstep from barrier to barrier (the order within a phase is the fiber
 // order; the kernels must not depend on it, and on a GPU they could not). __shfl_xor_sync goes through a
 // per-block exchange buffer between two barriers (the kernels call it with every thread of the block, as
@@ -45,8 +45,12 @@ inline __nv_bfloat16 __float2bfloat16_rn(float v) { return __nv_bfloat16(v); }
 inline __nv_bfloat16 __double2bfloat16(double v) { return __nv_bfloat16(static_cast<float>(v)); }
 inline float __frcp_rn(float v) { return 1.0f / v; }
 inline double __drcp_rn(double v) { return 1.0 / v; }
-inline float __frsqrt_rn(float v) { return 1.0f / std::sqrt(v); }
+inline float __frsqrt_rn(float v) {  // correctly rounded, as on the GPU (1.0f / sqrtf(v) rounds twice)
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(v)));
+}
 inline double rsqrt(double v) { return 1.0 / std::sqrt(v); }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
 
 struct uint3 {
   unsigned x = 0, y = 0, z = 0;
@@ -70,6 +74,67 @@ enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
 
 namespace emulation {
 
+// ---- fibers ------------------------------------------------------------------------------------------------
+#if defined(__x86_64__)
+// x86-64: switch by saving the callee-saved registers on the current stack and exchanging stack pointers.
+// ucontext's swapcontext also saves and restores the signal mask, a system call per switch: a kernel with
+// thousands of blocks of 1024 threads (reduce_partials_kernel of a 2^18-column backward) spent minutes in it.
+extern "C" void lnx_emulation_switch(void** save_sp, void* load_sp);
+asm(R"(
+  .pushsection .text
+  .globl lnx_emulation_switch
+  .type lnx_emulation_switch, @function
+lnx_emulation_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size lnx_emulation_switch, .-lnx_emulation_switch
+  .popsection
+)");
+
+struct Context {
+  void* sp = nullptr;
+};
+
+inline void switch_context(Context& from, const Context& to) { lnx_emulation_switch(&from.sp, to.sp); }
+
+// A fiber that starts in entry() (which must never return) on `stack`.
+inline void make_context(Context& c, std::vector<char>& stack, void (*entry)()) {
+  const uintptr_t top = (reinterpret_cast<uintptr_t>(stack.data()) + stack.size()) & ~uintptr_t{15};
+  void** sp = reinterpret_cast<void**>(top) - 8;  // six saved registers, entry() as the return address, a slot
+  for (int i = 0; i < 6; ++i) sp[i] = nullptr;
+  sp[6] = reinterpret_cast<void*>(entry);
+  sp[7] = nullptr;  // entry() starts with the stack aligned as after a call
+  c.sp = sp;
+}
+#else
+struct Context {
+  ucontext_t uc;
+};
+
+inline void switch_context(Context& from, const Context& to) { swapcontext(&from.uc, &to.uc); }
+
+inline void make_context(Context& c, std::vector<char>& stack, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack.data();
+  c.uc.uc_stack.ss_size = stack.size();
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+}
+#endif
+
 // The emulated GPU: few SMs, so that persistent grids stride over rows; 100 KiB of shared memory per block.
 constexpr int kSMs = 3;
 constexpr int kBlocksPerSM = 2;
@@ -77,10 +142,10 @@ constexpr int kSharedOptin = 100 * 1024;
 
 // The running block: one fiber per CUDA thread, resumed in turn until each reaches the next barrier.
 struct Block {
-  std::vector<ucontext_t> fibers;
+  std::vector<Context> fibers;
   std::vector<std::vector<char>> stacks;
   std::vector<bool> done;
-  ucontext_t scheduler;
+  Context scheduler;
   unsigned current = 0;
   unsigned count = 0;
   std::function<void()> body;  // the kernel call, run by every fiber
@@ -104,13 +169,13 @@ inline void fiber_main() {
     if (!b.error) b.error = std::current_exception();
   }
   b.done[b.current] = true;
-  swapcontext(&b.fibers[b.current], &b.scheduler);
+  switch_context(b.fibers[b.current], b.scheduler);  // never resumed
 }
 
 // A barrier: back to the scheduler, which resumes every other fiber up to this barrier first.
 inline void yield_to_scheduler() {
   Block& b = block();
-  swapcontext(&b.fibers[b.current], &b.scheduler);
+  switch_context(b.fibers[b.current], b.scheduler);
 }
 
 template <typename Kernel, typename... Args>
@@ -131,11 +196,7 @@ void launch(Kernel kernel, dim3 grid, dim3 threads, size_t shared_bytes, Args...
     b.done.assign(b.count, false);
     for (unsigned t = 0; t < b.count; ++t) {
       b.stacks[t].resize(kStack);
-      getcontext(&b.fibers[t]);
-      b.fibers[t].uc_stack.ss_sp = b.stacks[t].data();
-      b.fibers[t].uc_stack.ss_size = kStack;
-      b.fibers[t].uc_link = nullptr;
-      makecontext(&b.fibers[t], fiber_main, 0);
+      make_context(b.fibers[t], b.stacks[t], fiber_main);
     }
     blockIdx = {bx, 0, 0};
     blockDim = threads;
@@ -147,7 +208,7 @@ void launch(Kernel kernel, dim3 grid, dim3 threads, size_t shared_bytes, Args...
         if (b.done[t]) continue;
         b.current = t;
         threadIdx = {t % threads.x, t / threads.x, 0};
-        swapcontext(&b.scheduler, &b.fibers[t]);
+        switch_context(b.scheduler, b.fibers[t]);
         if (b.done[t]) ++finished_now;
       }
       TORCH_CHECK(finished_now == 0 || finished + finished_now == b.count,
@@ -225,7 +286,10 @@ inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_
 namespace layernorm_ext {
 namespace cuda {
 inline cudaStream_t current_stream() { return nullptr; }
+// Bytes of the last workspace() request (tests inspect the backward's partial buffers).
+inline size_t last_workspace_bytes = 0;
 inline c10::DataPtr workspace(size_t bytes) {
+  last_workspace_bytes = bytes;
   c10::DataPtr p = c10::GetCPUAllocator()->allocate(bytes);
   std::memset(p.get(), 0xAB, bytes);  // garbage: nothing may read it before writing
   return p;

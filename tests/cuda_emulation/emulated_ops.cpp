@@ -42,6 +42,9 @@ c10::SymIntArrayRef sym(const std::vector<int64_t>& shape) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("last_workspace_bytes", [] { return cuda::last_workspace_bytes; },
+        "bytes of the last workspace request (the backward's dweight / dbias partial buffers)");
+  m.def("reset_workspace_bytes", [] { cuda::last_workspace_bytes = 0; });
   m.def("layer_norm_fwd", [](const Tensor& input, const std::vector<int64_t>& shape, const OptTensor& weight,
                              const OptTensor& bias, double eps, const OptTensor& residual, bool residual_in_fp32) {
     return layernorm_ext::layer_norm_fwd(input, sym(shape), weight, bias, eps, residual, residual_in_fp32, false,
