@@ -9,14 +9,19 @@ row); fp32 and bf16 (with bf16 also a float32 weight); LayerNorm and RMSNorm, ea
 forward and backward (the raw ops, so that every kernel runs once per case). Few rows per case: the sanitizer
 slows kernels down by orders of magnitude. Run it with PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that every tensor
 is its own allocation and an access past its end is reported instead of landing in a cached block.
-Exits 0 when every call returned (the sanitizer's exit code says whether it found errors).
+Then every bad-argument case of tests/test_errors.py (forward and backward ops) on the device, after those valid
+calls and with inputs that require grad: each must raise its RuntimeError (on an H200 three of them once
+killed the process). Exits 0 when every call returned or raised as it should (the sanitizer's exit code says
+whether it found errors).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -71,6 +76,41 @@ def one_case(m: int, n: int, dtype: torch.dtype, wdtype: torch.dtype, rms: bool,
             raise RuntimeError(f"non-finite result for M={m} N={n} {dtype} rms={rms} residual={residual}")
 
 
+def bad_calls(device: str) -> int:
+    """Every bad-argument case of tests/test_errors.py on ``device``; returns how many raised as they should."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import test_errors as cases  # noqa: PLC0415  (the suite's own list of bad calls)
+
+    count = 0
+    with cases.on_device(device):
+        for param in cases._FWD_PARAMS:
+            case, kind = param.values
+            for call in (cases._call_functional, cases._call_op):
+                try:
+                    call(case, kind)
+                except RuntimeError as e:
+                    if not re.search(case.match, str(e)):
+                        raise AssertionError(f"{case.id}-{kind}: unexpected error {e}") from e
+                    count += 1
+                else:
+                    raise AssertionError(f"{case.id}-{kind}: no error")
+        for param in cases._BWD_PARAMS:
+            mutate, match, kind = param.values
+            args = cases._valid_bwd_args(kind)
+            mutate(args)
+            try:
+                cases._call_bwd(kind, args)
+            except RuntimeError as e:
+                if not re.search(match, str(e)):
+                    raise AssertionError(f"{param.id}: unexpected error {e}") from e
+                count += 1
+            else:
+                raise AssertionError(f"{param.id}: no error")
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return count
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -88,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                     one_case(m, n, dtype, wdtype, rms, residual, opts.device)
                     count += 1
         print(f"  N={n} M={m}: done ({time.perf_counter() - started:.1f} s)", flush=True)
-    print(f"sanitize_cases: {count} cases, every op forward and backward, {time.perf_counter() - started:.1f} s")
+    raised = bad_calls(opts.device)
+    print(f"sanitize_cases: {count} cases, every op forward and backward, and {raised} bad calls that raised, "
+          f"{time.perf_counter() - started:.1f} s")
     return 0
 
 

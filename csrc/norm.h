@@ -6,7 +6,6 @@
 #include <ATen/ATen.h>
 #include <c10/core/SymIntArrayRef.h>
 
-#include <functional>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -39,27 +38,29 @@ NormGeometry check_backward_args(const char* op, const Tensor& grad_out, const T
                                  const OptTensor& grad_residual_out, bool saved_is_output);
 
 // ---- device-independent op bodies (norm_ops.cpp); each device passes its launcher ----
-using ForwardLauncher = std::function<void(const NormForwardParams&)>;
-using BackwardLauncher = std::function<void(const NormBackwardParams&)>;
+// A launcher runs a device's kernels on a filled parameter block; the op bodies call it after every argument
+// check, so nothing device-specific (a device guard, a stream) runs before a bad argument is reported.
+using ForwardLauncher = void (*)(const NormForwardParams&);
+using BackwardLauncher = void (*)(const NormBackwardParams&);
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& input, c10::SymIntArrayRef normalized_shape,
                                                           const OptTensor& weight, const OptTensor& bias,
                                                           double eps, const OptTensor& residual,
                                                           bool residual_in_fp32, bool memory_efficient,
-                                                          const ForwardLauncher& launch);
+                                                          ForwardLauncher launch);
 std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd(const Tensor& input, c10::SymIntArrayRef normalized_shape,
                                                 const OptTensor& weight, std::optional<double> eps,
                                                 const OptTensor& residual, bool residual_in_fp32,
-                                                bool memory_efficient, const ForwardLauncher& launch);
+                                                bool memory_efficient, ForwardLauncher launch);
 std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const Tensor& saved, const Tensor& mean,
                                                   const Tensor& rstd, c10::SymIntArrayRef normalized_shape,
                                                   const OptTensor& weight, const OptTensor& bias,
                                                   bool saved_is_output, const OptTensor& grad_residual_out,
-                                                  const BackwardLauncher& launch);
+                                                  BackwardLauncher launch);
 std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& grad_out, const Tensor& saved, const Tensor& rstd,
                                         c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                                         bool saved_is_output, const OptTensor& grad_residual_out,
-                                        const BackwardLauncher& launch);
+                                        BackwardLauncher launch);
 
 // ---- device kernels ----
 namespace cpu {
@@ -72,7 +73,8 @@ std::string set_isa(const std::string& isa);  // switch (tests, benchmarks); ret
 
 #ifdef LAYERNORM_EXT_WITH_CUDA
 namespace cuda {
-// On the current device and stream (the caller holds a device guard); launches only, never synchronizes.
+// On device p.device and its current stream (the launcher takes the device guard); launches only, never
+// synchronizes.
 void forward(const NormForwardParams& p);
 void backward(const NormBackwardParams& p);
 }  // namespace cuda

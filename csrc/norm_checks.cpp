@@ -110,6 +110,10 @@ NormGeometry check_backward_args(const char* op, const Tensor& grad_out, const T
   TORCH_CHECK(grad_out.sizes() == saved.sizes(), op, ": expected grad_out of shape ", saved.sizes(),
               ", but got grad_out of shape ", grad_out.sizes());
   check_same_device(op, "grad_out", saved, grad_out);
+  // grad_out has the forward output's dtype, which is never wider than the saved rows (h, or the output).
+  TORCH_CHECK(at::promote_types(grad_out.scalar_type(), saved.scalar_type()) == saved.scalar_type(), op,
+              ": expected grad_out to have saved's dtype (", saved.scalar_type(),
+              ") or a narrower one, but got grad_out of dtype ", grad_out.scalar_type());
   // The weights follow the dtype rule of the forward's input, i.e. of grad_out.
   if (weight.has_value()) check_param(op, "weight", grad_out, *weight, normalized_shape);
   if (bias.has_value()) check_param(op, "bias", grad_out, *bias, normalized_shape);

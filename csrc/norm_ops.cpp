@@ -31,7 +31,7 @@ struct ForwardResult {
 ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntArrayRef normalized_shape_sym,
                            const OptTensor& weight_arg, const OptTensor& bias_arg, std::optional<double> eps,
                            const OptTensor& residual_arg, bool residual_in_fp32, bool rms,
-                           const ForwardLauncher& launch) {
+                           ForwardLauncher launch) {
   const at::IntArrayRef normalized_shape = C10_AS_INTARRAYREF_SLOW(normalized_shape_sym);
   const NormGeometry g = check_forward_args(op, input_arg, normalized_shape, weight_arg, bias_arg, residual_arg);
   const Tensor input = input_arg.contiguous();
@@ -66,6 +66,7 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   p.residual_out = residual.has_value() ? r.residual_out.data_ptr() : nullptr;
   p.mean = rms ? nullptr : r.mean.data_ptr();
   p.rstd = r.rstd.data_ptr();
+  p.device = input.device().index();
   p.input_type = input.scalar_type();
   p.residual_type = residual.has_value() ? residual->scalar_type() : input.scalar_type();
   p.h_type = h_type;
@@ -88,7 +89,7 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
                              const OptTensor& mean_arg, const Tensor& rstd_arg,
                              c10::SymIntArrayRef normalized_shape_sym, const OptTensor& weight_arg,
                              const OptTensor& bias_arg, bool saved_is_output, const OptTensor& grad_residual_out_arg,
-                             bool rms, const BackwardLauncher& launch) {
+                             bool rms, BackwardLauncher launch) {
   const at::IntArrayRef normalized_shape = C10_AS_INTARRAYREF_SLOW(normalized_shape_sym);
   const NormGeometry g = check_backward_args(op, grad_out_arg, saved_arg, mean_arg, rstd_arg, normalized_shape,
                                              weight_arg, bias_arg, grad_residual_out_arg, saved_is_output);
@@ -128,6 +129,7 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
   p.grad_input = r.grad_input.data_ptr();
   p.grad_weight = weight.has_value() ? r.grad_weight.data_ptr() : nullptr;
   p.grad_bias = bias.has_value() ? r.grad_bias.data_ptr() : nullptr;
+  p.device = saved.device().index();
   p.out_type = grad_out.scalar_type();
   p.saved_type = saved.scalar_type();
   p.weight_type = weight_type;
@@ -146,7 +148,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& input, c
                                                           const OptTensor& weight, const OptTensor& bias,
                                                           double eps, const OptTensor& residual,
                                                           bool residual_in_fp32, bool /*memory_efficient*/,
-                                                          const ForwardLauncher& launch) {
+                                                          ForwardLauncher launch) {
   ForwardResult r = norm_forward("layer_norm", input, normalized_shape, weight, bias, eps, residual,
                                  residual_in_fp32, /*rms=*/false, launch);
   return {r.out, r.residual_out, r.mean, r.rstd};
@@ -155,7 +157,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& input, c
 std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd(const Tensor& input, c10::SymIntArrayRef normalized_shape,
                                                 const OptTensor& weight, std::optional<double> eps,
                                                 const OptTensor& residual, bool residual_in_fp32,
-                                                bool /*memory_efficient*/, const ForwardLauncher& launch) {
+                                                bool /*memory_efficient*/, ForwardLauncher launch) {
   ForwardResult r = norm_forward("rms_norm", input, normalized_shape, weight, std::nullopt, eps, residual,
                                  residual_in_fp32, /*rms=*/true, launch);
   return {r.out, r.residual_out, r.rstd};
@@ -165,7 +167,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const 
                                                   const Tensor& rstd, c10::SymIntArrayRef normalized_shape,
                                                   const OptTensor& weight, const OptTensor& bias,
                                                   bool saved_is_output, const OptTensor& grad_residual_out,
-                                                  const BackwardLauncher& launch) {
+                                                  BackwardLauncher launch) {
   BackwardResult r = norm_backward("layer_norm_backward", grad_out, saved, mean, rstd, normalized_shape, weight,
                                    bias, saved_is_output, grad_residual_out, /*rms=*/false, launch);
   return {r.grad_input, r.grad_weight, r.grad_bias};
@@ -174,7 +176,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const 
 std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& grad_out, const Tensor& saved, const Tensor& rstd,
                                         c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                                         bool saved_is_output, const OptTensor& grad_residual_out,
-                                        const BackwardLauncher& launch) {
+                                        BackwardLauncher launch) {
   BackwardResult r = norm_backward("rms_norm_backward", grad_out, saved, std::nullopt, rstd, normalized_shape,
                                    weight, std::nullopt, saved_is_output, grad_residual_out, /*rms=*/true, launch);
   return {r.grad_input, r.grad_weight};

@@ -22,6 +22,7 @@ struct NormForwardParams {
   void* residual_out = nullptr;    // h_type; nullptr when residual is nullptr
   void* mean = nullptr;            // acc_type; nullptr for RMSNorm
   void* rstd = nullptr;            // acc_type
+  int device = -1;                 // the tensors' device index (-1: the CPU)
   ScalarType input_type = ScalarType::Float;
   ScalarType residual_type = ScalarType::Float;
   ScalarType h_type = ScalarType::Float;
@@ -46,6 +47,7 @@ struct NormBackwardParams {
   void* grad_input = nullptr;   // saved_type
   void* grad_weight = nullptr;  // weight_type; nullptr when weight is nullptr
   void* grad_bias = nullptr;    // weight_type; nullptr when bias is nullptr
+  int device = -1;              // the tensors' device index (-1: the CPU)
   ScalarType out_type = ScalarType::Float;
   ScalarType saved_type = ScalarType::Float;
   ScalarType weight_type = ScalarType::Float;

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import _checks
 from ._loader import native  # noqa: F401  (loading the library defines the ops)
 
 _ops = torch.ops.layernorm_ext
@@ -27,22 +28,21 @@ def _stat_dtype(h_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if h_dtype == torch.float64 else torch.float32
 
 
-def _check_devices(op: str, first: Tensor, **others: Tensor | None) -> None:
-    """The one check the fake kernels repeat from csrc/norm_checks.cpp (same wording): a call mixing a meta
-    tensor with real ones dispatches here, not to the device kernel that would have rejected it."""
-    for name, t in others.items():
-        if t is not None and t.device != first.device:
-            raise RuntimeError(
-                f"{op}: expected all tensors to be on the same device, but found at least two devices, "
-                f"{first.device} and {t.device}! (when checking argument {name})"
-            )
+# The fake kernels check their arguments as the C++ ops do (layernorm_ext/_checks.py mirrors
+# csrc/norm_checks.cpp), so that torch.compile / torch.export reject what eager rejects, with the same error.
 
 
 def _fake_forward(
-    input: Tensor, normalized_shape: Sequence[int], residual: Tensor | None, residual_in_fp32: bool
+    op: str,
+    input: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None,
+    residual_in_fp32: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual)
     h_dtype = input.dtype if residual is None else residual_out_dtype(input, residual, residual_in_fp32)
-    stat_shape = input.shape[: input.dim() - len(normalized_shape)]
     out = input.new_empty(input.shape)
     residual_out = input.new_empty(input.shape if residual is not None else (0,), dtype=h_dtype)
     stat = input.new_empty(stat_shape, dtype=_stat_dtype(h_dtype))
@@ -60,8 +60,9 @@ def _layer_norm_fwd_fake(
     residual_in_fp32: bool = False,
     memory_efficient: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    _check_devices("layer_norm", input, weight=weight, bias=bias, residual=residual)
-    out, residual_out, stat = _fake_forward(input, normalized_shape, residual, residual_in_fp32)
+    out, residual_out, stat = _fake_forward(
+        "layer_norm", input, normalized_shape, weight, bias, residual, residual_in_fp32
+    )
     return out, residual_out, stat, torch.empty_like(stat)
 
 
@@ -75,8 +76,7 @@ def _rms_norm_fwd_fake(
     residual_in_fp32: bool = False,
     memory_efficient: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    _check_devices("rms_norm", input, weight=weight, residual=residual)
-    return _fake_forward(input, normalized_shape, residual, residual_in_fp32)
+    return _fake_forward("rms_norm", input, normalized_shape, weight, None, residual, residual_in_fp32)
 
 
 def _param_grad_placeholder(saved: Tensor, param: Tensor | None, other: Tensor | None) -> Tensor:
@@ -98,9 +98,9 @@ def _layer_norm_bwd_fake(
     saved_is_output: bool = False,
     grad_residual_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    _check_devices(
-        "layer_norm_backward", saved, grad_out=grad_out, mean=mean, rstd=rstd, weight=weight, bias=bias,
-        grad_residual_out=grad_residual_out,
+    _checks.check_backward(
+        "layer_norm_backward", grad_out, saved, mean, rstd, normalized_shape, weight, bias, grad_residual_out,
+        saved_is_output,
     )
     return (
         saved.new_empty(saved.shape),
@@ -119,8 +119,9 @@ def _rms_norm_bwd_fake(
     saved_is_output: bool = False,
     grad_residual_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    _check_devices(
-        "rms_norm_backward", saved, grad_out=grad_out, rstd=rstd, weight=weight, grad_residual_out=grad_residual_out
+    _checks.check_backward(
+        "rms_norm_backward", grad_out, saved, None, rstd, normalized_shape, weight, None, grad_residual_out,
+        saved_is_output,
     )
     return saved.new_empty(saved.shape), _param_grad_placeholder(saved, weight, None)
 

@@ -1,12 +1,19 @@
 """Bad arguments raise a clear RuntimeError (worded like ATen's, see csrc/norm_checks.cpp) and never crash.
 
 Every forward case runs through the functional API and through the raw ``torch.ops.layernorm_ext`` op; the
-backward ops (not reachable with bad arguments through autograd) are called raw.
+backward ops (not reachable with bad arguments through autograd) are called raw. Each runs on every device
+(the checks come before anything device-specific: on CUDA no device guard or stream is touched first), and
+once more in a fresh process after a few dozen valid calls, with inputs that require grad, where a crash
+would kill only that process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,13 +22,28 @@ import torch
 from torch import Tensor
 
 import layernorm_ext
+from conftest import DEVICES
 from layernorm_ext import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 
 _ops = torch.ops.layernorm_ext
 _GEN_SEED = 11
 
 
-def _t(*shape: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Tensor:
+_making_on = ["cpu"]  # the device _t makes tensors on (see on_device)
+
+
+@contextmanager
+def on_device(device: str) -> Iterator[None]:
+    """Within it, _t makes its tensors on ``device`` (meta tensors stay meta)."""
+    _making_on.append(device)
+    try:
+        yield
+    finally:
+        _making_on.pop()
+
+
+def _t(*shape: int, dtype: torch.dtype = torch.float32, device: str | None = None) -> Tensor:
+    device = _making_on[-1] if device is None else device
     gen = torch.Generator().manual_seed(_GEN_SEED)
     base = torch.randn(shape, generator=gen, dtype=torch.float64)
     if dtype == torch.bool:
@@ -50,7 +72,7 @@ class FwdCase:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-SAME_DEVICE = r"expected all tensors to be on the same device, but found at least two devices, cpu and meta"
+SAME_DEVICE = r"expected all tensors to be on the same device, but found at least two devices, (cpu|cuda:\d+) and meta"
 
 FWD_CASES = [
     FwdCase("shape_mismatch", r"given normalized_shape=\[7\], expected input with shape \[\*, 7\], "
@@ -106,6 +128,14 @@ FWD_CASES = [
             lambda: _t(4, 8), [8], residual=lambda: _t(4, 8, dtype=torch.int64)),
     FwdCase("complex_residual", r"expected residual to be a floating point tensor.*dtype ComplexFloat",
             lambda: _t(4, 8), [8], residual=lambda: _t(4, 8, dtype=torch.complex64)),
+    # The three calls that killed a process on an H200 (2026-11-30), exactly as reported.
+    FwdCase("h200_empty_shape", r"expected normalized_shape to be at least 1-dimensional",
+            lambda: _t(1, 2, 3), []),
+    FwdCase("h200_weight_shape", r"expected weight to be of same shape as normalized_shape, but got weight of "
+            r"shape \[1, 2\] and normalized_shape = \[1, 2, 3\]", lambda: _t(1, 2, 3), [1, 2, 3],
+            weight=lambda: _t(1, 2)),
+    FwdCase("h200_shape", r"given normalized_shape=\[2, 2\], expected input with shape \[\*, 2, 2\]",
+            lambda: _t(2, 2, 3), [2, 2]),
 ]
 
 _FWD_PARAMS = [
@@ -135,11 +165,66 @@ def _call_op(case: FwdCase, kind: str) -> object:
 
 @pytest.mark.parametrize(("case", "kind"), _FWD_PARAMS)
 @pytest.mark.parametrize("api", ["functional", "op"])
-def test_forward_bad_args(case: FwdCase, kind: str, api: str) -> None:
+def test_forward_bad_args(case: FwdCase, kind: str, api: str, device: str) -> None:
     call = _call_functional if api == "functional" else _call_op
     op_name = "layer_norm" if kind == "ln" else "rms_norm"
-    with pytest.raises(RuntimeError, match=rf"{op_name}: .*{case.match}"):
+    with on_device(device), pytest.raises(RuntimeError, match=rf"{op_name}: .*{case.match}"):
         call(case, kind)
+
+
+# A fresh process: a few dozen valid calls (forward and backward, some inputs requiring grad), then every bad
+# forward case of FWD_CASES with inputs that require grad, each of which must raise its error.
+_AFTER_MANY_CALLS = """
+import torch
+import test_errors as T
+from layernorm_ext import add_rms_norm, layer_norm, rms_norm
+
+device = {device!r}
+for i in range(36):
+    n = (1, 7, 64, 769)[i % 4]
+    x = torch.randn(3, n, device=device, requires_grad=i % 2 == 0)
+    w = torch.randn(n, device=device, requires_grad=i % 3 == 0)
+    y = layer_norm(x, (n,), w, None) + rms_norm(x, (n,), w) + add_rms_norm(x, x, (n,), w)[0]
+    if y.requires_grad:
+        y.sum().backward()
+raised = 0
+with T.on_device(device):
+    for case, kind in ((p.values[0], p.values[1]) for p in T._FWD_PARAMS):
+        def grad_leaf(t):
+            return t.requires_grad_(True) if t is not None and t.is_floating_point() and not t.is_meta else t
+        case.input, case.weight = (lambda f=case.input: grad_leaf(f())), (lambda f=case.weight: grad_leaf(f()))
+        try:
+            T._call_functional(case, kind)
+        except RuntimeError as e:
+            assert case.match and __import__("re").search(case.match, str(e)), (case.id, str(e))
+            raised += 1
+        else:
+            raise AssertionError(f"{{case.id}}-{{kind}}: no error")
+print("raised", raised)
+"""
+
+
+def test_bad_args_after_many_calls(device: str) -> None:
+    """Bad calls after many valid ones, with inputs requiring grad, raise their errors (the process survives)."""
+    code = textwrap.dedent(_AFTER_MANY_CALLS).format(device=device)
+    tests_dir = str(__import__("pathlib").Path(__file__).resolve().parent)
+    run = subprocess.run([sys.executable, "-c", code], cwd=tests_dir, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+    assert f"raised {len(_FWD_PARAMS)}" in run.stdout, run.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("which", ["weight", "input"])
+def test_mixed_cpu_and_cuda_tensors(which: str) -> None:
+    """A CPU input with a CUDA weight (or the reverse) reaches the CUDA kernel: it must say "same device"."""
+    x, w = _t(4, 8, device="cpu"), _t(8, device="cpu")
+    if which == "weight":
+        w = w.cuda()
+    else:
+        x = x.cuda()
+    for call in (lambda: layer_norm(x, [8], w), lambda: rms_norm(x, [8], w)):
+        with pytest.raises(RuntimeError, match=r"expected all tensors to be on the same device"):
+            call()
 
 
 @pytest.mark.parametrize("kind", ["ln", "rms"])
@@ -227,13 +312,13 @@ BWD_CASES: list[tuple[str, BwdMutation, str, tuple[str, ...]]] = [
      r"expected normalized_shape to be at least 1-dimensional", ("ln", "rms")),
     ("rstd_too_few", _set(rstd=lambda a: a.rstd[:3]),
      r"expected rstd to hold one value per row \(4\), but got rstd of shape \[3\]", ("ln", "rms")),
-    ("rstd_too_many", _set(rstd=lambda a: torch.ones(5)),
+    ("rstd_too_many", _set(rstd=lambda a: torch.ones(5, device=a.rstd.device)),
      r"expected rstd to hold one value per row \(4\)", ("ln", "rms")),
     ("rstd_wrong_dtype", _set(rstd=lambda a: a.rstd.double()),
      r"expected rstd of dtype Float, but got Double", ("ln", "rms")),
     ("rstd_bf16", _set(rstd=lambda a: a.rstd.bfloat16()),
      r"expected rstd of dtype Float, but got BFloat16", ("ln", "rms")),
-    ("mean_too_few", _set(mean=lambda a: torch.zeros(2)),
+    ("mean_too_few", _set(mean=lambda a: torch.zeros(2, device=a.rstd.device)),
      r"expected mean to hold one value per row \(4\), but got mean of shape \[2\]", ("ln",)),
     ("mean_wrong_dtype", _set(mean=lambda a: a.mean.half()),
      r"expected mean of dtype Float, but got Half", ("ln",)),
@@ -259,6 +344,10 @@ BWD_CASES: list[tuple[str, BwdMutation, str, tuple[str, ...]]] = [
      r"expected grad_residual_out to be a floating point tensor", ("ln", "rms")),
     ("grad_residual_out_on_meta", _set(grad_residual_out=lambda a: _meta(4, 8)),
      SAME_DEVICE + r".*argument grad_residual_out", ("ln", "rms")),
+    # Autograd hands the backward a grad_out of the forward output's dtype, never wider than the saved rows.
+    ("grad_out_wider_than_saved", _set(grad_out=lambda a: a.grad_out.double()),
+     r"expected grad_out to have saved's dtype \(Float\) or a narrower one, but got grad_out of dtype Double",
+     ("ln", "rms")),
 ]
 
 _BWD_PARAMS = [
@@ -269,13 +358,14 @@ _BWD_PARAMS = [
 
 
 @pytest.mark.parametrize(("mutate", "match", "kind"), _BWD_PARAMS)
-def test_backward_op_bad_args(mutate: BwdMutation, match: str, kind: str) -> None:
-    args = _valid_bwd_args(kind)
-    _call_bwd(kind, args)  # the unmodified arguments are fine
-    mutate(args)
-    op_name = "layer_norm_backward" if kind == "ln" else "rms_norm_backward"
-    with pytest.raises(RuntimeError, match=rf"{op_name}: .*{match}"):
-        _call_bwd(kind, args)
+def test_backward_op_bad_args(mutate: BwdMutation, match: str, kind: str, device: str) -> None:
+    with on_device(device):
+        args = _valid_bwd_args(kind)
+        _call_bwd(kind, args)  # the unmodified arguments are fine
+        mutate(args)
+        op_name = "layer_norm_backward" if kind == "ln" else "rms_norm_backward"
+        with pytest.raises(RuntimeError, match=rf"{op_name}: .*{match}"):
+            _call_bwd(kind, args)
 
 
 @pytest.mark.parametrize("kind", ["ln", "rms"])
@@ -296,3 +386,69 @@ def test_library_still_works_after_errors() -> None:
             bad()
     torch.testing.assert_close(layer_norm(x, [8], w, b), torch.nn.functional.layer_norm(x, [8], w, b))
     torch.testing.assert_close(rms_norm(x, [8], w), torch.nn.functional.rms_norm(x, [8], w))
+
+
+# ---- the same cases under FakeTensorMode (what torch.compile / torch.export trace with) ---------------------
+
+
+def _fake(mode: Any, t: Tensor | None) -> Tensor | None:
+    return None if t is None else mode.from_tensor(t)
+
+
+@pytest.mark.parametrize(("case", "kind"), _FWD_PARAMS)
+def test_fake_forward_bad_args(case: FwdCase, kind: str) -> None:
+    """The fake kernels raise what the C++ op raises, word for word (layernorm_ext/_checks.py)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    x, w, b, r = (_fake(mode, t) for t in (case.input(), case.weight(), case.bias(), case.residual()))
+    op_name = "layer_norm" if kind == "ln" else "rms_norm"
+    with mode, pytest.raises(RuntimeError, match=rf"{op_name}: .*{case.match}"):
+        if kind == "ln":
+            _ops.layer_norm_fwd(x, case.normalized_shape, w, b, 1e-5, r, False, False)
+        else:
+            _ops.rms_norm_fwd(x, case.normalized_shape, w, None, r, False, False)
+
+
+@pytest.mark.parametrize(("mutate", "match", "kind"), _BWD_PARAMS)
+def test_fake_backward_bad_args(mutate: BwdMutation, match: str, kind: str) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = _valid_bwd_args(kind)
+    mutate(args)
+    mode = FakeTensorMode()
+    for name in ("grad_out", "saved", "mean", "rstd", "weight", "bias", "grad_residual_out"):
+        setattr(args, name, _fake(mode, getattr(args, name)))
+    op_name = "layer_norm_backward" if kind == "ln" else "rms_norm_backward"
+    with mode, pytest.raises(RuntimeError, match=rf"{op_name}: .*{match}"):
+        _call_bwd(kind, args)
+
+
+def test_fake_messages_equal_the_ops() -> None:
+    """Not only the pattern: the fake kernel's message is the C++ op's, character for character."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for param in _FWD_PARAMS:
+        case, kind = param.values
+        inputs = (case.input(), case.weight(), case.bias(), case.residual())
+        if any(t is not None and t.is_meta for t in inputs):
+            continue  # a real call mixing meta and CPU tensors is the fake kernel's own case
+        messages = []
+        for fake in (False, True):
+            mode = FakeTensorMode() if fake else None
+            x, w, b, r = (_fake(mode, t) if fake else t for t in inputs)
+            try:
+                with mode if fake else _nullcontext():
+                    if kind == "ln":
+                        _ops.layer_norm_fwd(x, case.normalized_shape, w, b, 1e-5, r, False, False)
+                    else:
+                        _ops.rms_norm_fwd(x, case.normalized_shape, w, None, r, False, False)
+            except RuntimeError as e:
+                messages.append(str(e).splitlines()[0])
+        assert len(messages) == 2 and messages[0] == messages[1], (param.id, messages)
+
+
+def _nullcontext() -> Any:
+    from contextlib import nullcontext
+
+    return nullcontext()

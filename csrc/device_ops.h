@@ -1,0 +1,51 @@
+// The four ops of one device: the shared op bodies (norm_ops.cpp) bound to that device's launchers, as
+// TORCH_LIBRARY_IMPL registers them (csrc/cpu/norm_cpu.cpp, csrc/cuda/norm_cuda.cpp).
+#pragma once
+
+#include <torch/library.h>
+
+#include "norm.h"
+
+namespace layernorm_ext {
+
+template <ForwardLauncher kForward, BackwardLauncher kBackward>
+struct DeviceOps {
+  static std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm(const Tensor& input, c10::SymIntArrayRef shape,
+                                                               const OptTensor& weight, const OptTensor& bias,
+                                                               double eps, const OptTensor& residual,
+                                                               bool residual_in_fp32, bool memory_efficient) {
+    return layer_norm_fwd(input, shape, weight, bias, eps, residual, residual_in_fp32, memory_efficient, kForward);
+  }
+
+  static std::tuple<Tensor, Tensor, Tensor> rms_norm(const Tensor& input, c10::SymIntArrayRef shape,
+                                                     const OptTensor& weight, std::optional<double> eps,
+                                                     const OptTensor& residual, bool residual_in_fp32,
+                                                     bool memory_efficient) {
+    return rms_norm_fwd(input, shape, weight, eps, residual, residual_in_fp32, memory_efficient, kForward);
+  }
+
+  static std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& grad_out, const Tensor& saved,
+                                                                const Tensor& mean, const Tensor& rstd,
+                                                                c10::SymIntArrayRef shape, const OptTensor& weight,
+                                                                const OptTensor& bias, bool saved_is_output,
+                                                                const OptTensor& grad_residual_out) {
+    return layer_norm_bwd(grad_out, saved, mean, rstd, shape, weight, bias, saved_is_output, grad_residual_out,
+                          kBackward);
+  }
+
+  static std::tuple<Tensor, Tensor> rms_norm_backward(const Tensor& grad_out, const Tensor& saved,
+                                                      const Tensor& rstd, c10::SymIntArrayRef shape,
+                                                      const OptTensor& weight, bool saved_is_output,
+                                                      const OptTensor& grad_residual_out) {
+    return rms_norm_bwd(grad_out, saved, rstd, shape, weight, saved_is_output, grad_residual_out, kBackward);
+  }
+
+  static void register_to(torch::Library& m) {
+    m.impl("layer_norm_fwd", &layer_norm);
+    m.impl("rms_norm_fwd", &rms_norm);
+    m.impl("layer_norm_bwd", &layer_norm_backward);
+    m.impl("rms_norm_bwd", &rms_norm_backward);
+  }
+};
+
+}  // namespace layernorm_ext

@@ -1,0 +1,150 @@
+"""The argument checks of csrc/norm_checks.cpp, for the fake kernels (layernorm_ext/ops.py).
+
+torch.compile and torch.export trace with fake tensors, which never reach the C++ checks; these raise the same
+RuntimeErrors, worded the same, in the same order, so that a traced program fails where and as eager would.
+Keep the two in step: tests/test_errors.py runs every bad-argument case through both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+_SUPPORTED = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_HALF = (torch.float16, torch.bfloat16)
+
+# c10's names of the dtypes, as the C++ messages print them.
+_C10_NAMES = {
+    torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+    torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+    torch.complex32: "ComplexHalf",
+}  # fmt: skip
+
+
+def _name(dtype: torch.dtype) -> str:
+    return _C10_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _sizes(shape: Sequence[object]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _fail(op: str, message: str) -> None:
+    raise RuntimeError(f"{op}: {message}")
+
+
+def _check_float(op: str, name: str, t: Tensor) -> None:
+    if t.dtype not in _SUPPORTED:
+        _fail(op, f"expected {name} to be a floating point tensor (float32, float64, float16 or bfloat16), but got "
+                  f"{name} of dtype {_name(t.dtype)}")
+
+
+def _check_same_device(op: str, name: str, first: Tensor, t: Tensor) -> None:
+    if t.device != first.device:
+        _fail(op, f"expected all tensors to be on the same device, but found at least two devices, {first.device} "
+                  f"and {t.device}! (when checking argument {name})")
+
+
+def _check_param(op: str, name: str, input: Tensor, t: Tensor, normalized_shape: Sequence[int]) -> None:
+    _check_same_device(op, name, input, t)
+    if list(t.shape) != list(normalized_shape):
+        _fail(op, f"expected {name} to be of same shape as normalized_shape, but got {name} of shape "
+                  f"{_sizes(t.shape)} and normalized_shape = {_sizes(normalized_shape)}")
+    _check_float(op, name, t)
+    half_input = input.dtype in _HALF
+    if not (t.dtype == input.dtype or (half_input and t.dtype == torch.float32)):
+        _fail(op, f"expected {name} to have the input's dtype ({_name(input.dtype)})"
+                  f"{' or float32' if half_input else ''}, but got {name} of dtype {_name(t.dtype)}")
+
+
+def stat_shape(op: str, input: Tensor, normalized_shape: Sequence[int]) -> list[object]:
+    """The input's leading (not normalized) dims, after checking that normalized_shape fits the input."""
+    if len(normalized_shape) < 1:
+        _fail(op, "expected normalized_shape to be at least 1-dimensional, i.e., containing at least one element, "
+                  f"but got normalized_shape = {_sizes(normalized_shape)}")
+    axis = input.dim() - len(normalized_shape)
+    if axis < 0 or list(input.shape[axis:]) != list(normalized_shape):
+        expected = "".join(f", {d}" for d in normalized_shape)
+        _fail(op, f"given normalized_shape={_sizes(normalized_shape)}, expected input with shape [*{expected}], "
+                  f"but got input of size{_sizes(input.shape)}")
+    return list(input.shape[:axis])
+
+
+def check_forward(
+    op: str,
+    input: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None,
+) -> list[object]:
+    """check_forward_args; returns the statistics' shape."""
+    _check_float(op, "input", input)
+    stats = stat_shape(op, input, normalized_shape)
+    if weight is not None:
+        _check_param(op, "weight", input, weight, normalized_shape)
+    if bias is not None:
+        _check_param(op, "bias", input, bias, normalized_shape)
+    if weight is not None and bias is not None and weight.dtype != bias.dtype:
+        _fail(op, f"expected weight and bias to have the same dtype, but got weight of dtype {_name(weight.dtype)} "
+                  f"and bias of dtype {_name(bias.dtype)}")
+    if residual is not None:
+        _check_same_device(op, "residual", input, residual)
+        _check_float(op, "residual", residual)
+        if residual.shape != input.shape:
+            _fail(op, f"expected residual to have the same shape as input, but got residual of shape "
+                      f"{_sizes(residual.shape)} and input of shape {_sizes(input.shape)}")
+    return stats
+
+
+def check_backward(
+    op: str,
+    grad_out: Tensor,
+    saved: Tensor,
+    mean: Tensor | None,
+    rstd: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    grad_residual_out: Tensor | None,
+    saved_is_output: bool,
+) -> None:
+    """check_backward_args."""
+    _check_float(op, "saved", saved)
+    _check_float(op, "grad_out", grad_out)
+    stats = stat_shape(op, saved, normalized_shape)
+    if grad_out.shape != saved.shape:
+        _fail(op, f"expected grad_out of shape {_sizes(saved.shape)}, but got grad_out of shape "
+                  f"{_sizes(grad_out.shape)}")
+    _check_same_device(op, "grad_out", saved, grad_out)
+    if torch.promote_types(grad_out.dtype, saved.dtype) != saved.dtype:
+        _fail(op, f"expected grad_out to have saved's dtype ({_name(saved.dtype)}) or a narrower one, but got "
+                  f"grad_out of dtype {_name(grad_out.dtype)}")
+    if weight is not None:
+        _check_param(op, "weight", grad_out, weight, normalized_shape)
+    if bias is not None:
+        _check_param(op, "bias", grad_out, bias, normalized_shape)
+    rows = 1
+    for d in stats:
+        rows *= d
+    acc = torch.float64 if (grad_out if saved_is_output else saved).dtype == torch.float64 else torch.float32
+    for name, t in (("mean", mean), ("rstd", rstd)):
+        if t is None:
+            continue
+        _check_same_device(op, name, saved, t)
+        if t.numel() != rows:
+            _fail(op, f"expected {name} to hold one value per row ({rows}), but got {name} of shape {_sizes(t.shape)}")
+        if t.dtype != acc:
+            _fail(op, f"expected {name} of dtype {_name(acc)}, but got {_name(t.dtype)}")
+    if saved_is_output and saved.dtype != grad_out.dtype:
+        _fail(op, f"with saved_is_output, expected saved (the forward's output) to have grad_out's dtype "
+                  f"{_name(grad_out.dtype)}, but got {_name(saved.dtype)}")
+    if grad_residual_out is not None:
+        _check_same_device(op, "grad_residual_out", saved, grad_residual_out)
+        if grad_residual_out.shape != saved.shape:
+            _fail(op, f"expected grad_residual_out of shape {_sizes(saved.shape)}, but got "
+                      f"{_sizes(grad_residual_out.shape)}")
+        _check_float(op, "grad_residual_out", grad_residual_out)
