@@ -143,6 +143,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("build_info", &build_info, "How this library was built: torch version, CUDA, CPU instruction set");
   module.def("supported_cpu_isas", &layernorm_ext::cpu::supported_isas,
              "CPU instruction sets this machine can run the kernels with, best first");
+  module.def("cpu_scratch_bytes", &layernorm_ext::cpu::scratch_bytes,
+             "Bytes of per-thread scratch the CPU kernels keep between calls, over all threads (at most 4 MiB per "
+             "buffer: a wider call frees what it grew when it ends)");
   module.def("set_cpu_isa", &layernorm_ext::cpu::set_isa, pybind11::arg("isa"),
              "Use the CPU kernels of another instruction set (scalar, avx2, avx512) from now on; returns the "
              "previous one. For tests and benchmarks; LAYERNORM_EXT_CPU_ISA chooses it at load time.");

@@ -69,6 +69,7 @@ void backward(const NormBackwardParams& p);
 const char* isa_name();                   // instruction set the CPU kernels use: scalar, avx2 or avx512
 std::vector<std::string> supported_isas();  // those this CPU can run, best first
 std::string set_isa(const std::string& isa);  // switch (tests, benchmarks); returns the previous one
+int64_t scratch_bytes();  // bytes of per-thread scratch the CPU kernels keep between calls (all threads)
 }  // namespace cpu
 
 #ifdef LAYERNORM_EXT_WITH_CUDA

@@ -77,3 +77,20 @@ def test_paths_agree_closely(dtype: torch.dtype) -> None:
         for got, want in zip(results[isa], results[CPU_ISAS[0]]):
             tolerance = 2 * ulp * float(want.abs().max())
             assert float((got - want).abs().max()) <= tolerance, isa
+
+
+def test_wide_call_keeps_no_wide_scratch() -> None:
+    """The CPU kernels keep per-thread scratch between calls (converted parameters, dweight / dbias partials),
+    but a buffer grown past 4 MiB by one very wide call is freed when the call ends: before, every thread kept
+    cols-sized buffers for the life of the process."""
+    n = 1 << 21  # 8 MiB per float row
+    small = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True)
+    layernorm_ext.layer_norm(small, (64,), torch.ones(64, dtype=torch.bfloat16), None).sum().backward()
+    before = native.cpu_scratch_bytes()
+    x = torch.randn(2, n, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(n, dtype=torch.bfloat16, requires_grad=True)  # converted to float: a scratch row
+    b = torch.randn(n, dtype=torch.bfloat16, requires_grad=True)
+    layernorm_ext.layer_norm(x, (n,), w, b).float().sum().backward()
+    layernorm_ext.rms_norm(x, (n,), w).float().sum().backward()
+    assert w.grad is not None and b.grad is not None
+    assert native.cpu_scratch_bytes() <= before, (before, native.cpu_scratch_bytes())

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -141,18 +142,74 @@ void visit_param_dtype(ScalarType type, const Fn& fn) {
   }
 }
 
-template <typename To>
-const To* param_as(const void* ptr, ScalarType type, int64_t cols, int slot) {
+// ---- per-thread scratch ---------------------------------------------------------------------------------
+// Buffers reused across calls by the thread that grew them (a fresh multi-megabyte buffer would page-fault on
+// every call). A lease lends one for the length of a call; when it ends, a buffer grown past
+// kKeptScratchBytes is freed, so one very wide call does not leave cols-sized buffers on every thread for the
+// life of the process. kept_scratch_bytes counts what all threads keep (scratch_bytes(), for tests).
+constexpr size_t kKeptScratchBytes = size_t{4} << 20;
+std::atomic<int64_t> kept_scratch_bytes{0};
+
+template <typename T>
+struct KeptBuffer {
+  std::vector<T> v;
+  KeptBuffer() = default;
+  KeptBuffer(const KeptBuffer&) = delete;
+  KeptBuffer& operator=(const KeptBuffer&) = delete;
+  ~KeptBuffer() { kept_scratch_bytes -= static_cast<int64_t>(v.capacity() * sizeof(T)); }
+};
+
+// What each buffer holds (one per element type and slot, per thread).
+enum ScratchSlot { kWeightSlot, kBiasSlot, kDweightSlot, kDbiasSlot, kBlockDweightSlot, kBlockDbiasSlot };
+
+template <typename T, int kSlot>
+class ScratchLease {
+ public:
+  ScratchLease() = default;
+  ScratchLease(const ScratchLease&) = delete;
+  ScratchLease& operator=(const ScratchLease&) = delete;
+  ~ScratchLease() {
+    std::vector<T>& v = buffer().v;
+    if (v.capacity() * sizeof(T) > kKeptScratchBytes) {
+      kept_scratch_bytes -= static_cast<int64_t>(v.capacity() * sizeof(T));
+      std::vector<T>().swap(v);
+    }
+  }
+  // At least n elements, contents unspecified.
+  T* get(int64_t n) {
+    std::vector<T>& v = buffer().v;
+    if (static_cast<int64_t>(v.size()) < n) {
+      const size_t before = v.capacity();
+      v.resize(static_cast<size_t>(n));
+      kept_scratch_bytes += static_cast<int64_t>((v.capacity() - before) * sizeof(T));
+    }
+    return v.data();
+  }
+  // n zeros.
+  T* zeroed(int64_t n) {
+    T* p = get(n);
+    std::fill(p, p + n, T(0));
+    return p;
+  }
+
+ private:
+  static KeptBuffer<T>& buffer() {
+    thread_local KeptBuffer<T> b;
+    return b;
+  }
+};
+
+// The parameter as To: itself when it has that dtype, else converted into the lease's buffer.
+template <typename To, int kSlot>
+const To* param_as(const void* ptr, ScalarType type, int64_t cols, ScratchLease<To, kSlot>& lease) {
   if (ptr == nullptr) return nullptr;
   if (type == scalar_type_of<To>()) return static_cast<const To*>(ptr);
-  thread_local std::vector<To> buffers[2];
-  std::vector<To>& v = buffers[slot];
-  if (static_cast<int64_t>(v.size()) < cols) v.resize(cols);
+  To* v = lease.get(cols);
   visit_param_dtype(type, [&](auto tag) {
     const auto* src = static_cast<const decltype(tag)*>(ptr);
     for (int64_t j = 0; j < cols; ++j) v[j] = static_cast<To>(src[j]);
   });
-  return v.data();
+  return v;
 }
 
 void store_param(const double* src, void* dst, ScalarType type, int64_t offset, int64_t count) {
@@ -227,8 +284,10 @@ void forward_split(const NormForwardParams& p, const RowKernels& k, const Forwar
 
 template <typename C>
 void forward_with(const NormForwardParams& p, const RowKernels& k) {
-  const C* weight = param_as<C>(p.weight, p.weight_type, p.cols, 0);
-  const C* bias = param_as<C>(p.bias, p.weight_type, p.cols, 1);
+  ScratchLease<C, kWeightSlot> weight_scratch;
+  ScratchLease<C, kBiasSlot> bias_scratch;
+  const C* weight = param_as(p.weight, p.weight_type, p.cols, weight_scratch);
+  const C* bias = param_as(p.bias, p.weight_type, p.cols, bias_scratch);
   const Dtype src = to_dtype(p.residual != nullptr ? p.h_type : p.input_type);
   const ForwardRowsFn rows_fn = k.forward_rows(src, to_dtype(p.input_type));
   TORCH_CHECK(rows_fn != nullptr, "layernorm_ext: no CPU kernel for rows of ", p.h_type, " and output ",
@@ -261,6 +320,8 @@ void forward_with(const NormForwardParams& p, const RowKernels& k) {
 }  // namespace
 
 const char* isa_name() { return kernels().isa; }
+
+int64_t scratch_bytes() { return kept_scratch_bytes.load(); }
 
 std::vector<std::string> supported_isas() {
   std::vector<std::string> out;
@@ -303,22 +364,18 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
       std::clamp<int64_t>(std::min({kMaxChunks, rows / kMinChunkRows, kMaxPartialElems / cols}), 1, rows);
   const int64_t chunk_rows = (rows + chunks_wanted - 1) / chunks_wanted;
   const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
-  // Reused across calls (per calling thread): a fresh multi-megabyte buffer would page-fault on every call.
-  thread_local std::vector<double> dweight_scratch, dbias_scratch;
-  auto zeroed = [](auto& scratch, int64_t size) {
-    if (static_cast<int64_t>(scratch.size()) < size) scratch.resize(size);
-    std::fill(scratch.begin(), scratch.begin() + size, 0);
-    return scratch.data();
-  };
-  double* dweight_partial = p.grad_weight != nullptr ? zeroed(dweight_scratch, chunks * cols) : nullptr;
-  double* dbias_partial = p.grad_bias != nullptr ? zeroed(dbias_scratch, chunks * cols) : nullptr;
+  ScratchLease<double, kDweightSlot> dweight_scratch;
+  ScratchLease<double, kDbiasSlot> dbias_scratch;
+  double* dweight_partial = p.grad_weight != nullptr ? dweight_scratch.zeroed(chunks * cols) : nullptr;
+  double* dbias_partial = p.grad_bias != nullptr ? dbias_scratch.zeroed(chunks * cols) : nullptr;
 
   // Rows [begin, end) of one chunk, in blocks: add_block(block_begin, block_end, dweight, dbias) adds a block's
   // terms into the (zeroed) block partials given, which then go into the chunk's double partials.
   auto run_chunk = [&](int64_t chunk, int64_t begin, int64_t end, auto&& add_block) {
-    thread_local std::vector<P> block_dweight, block_dbias;
-    P* bw = dweight_partial != nullptr ? zeroed(block_dweight, cols) : nullptr;
-    P* bb = dbias_partial != nullptr ? zeroed(block_dbias, cols) : nullptr;
+    ScratchLease<P, kBlockDweightSlot> block_dweight;
+    ScratchLease<P, kBlockDbiasSlot> block_dbias;
+    P* bw = dweight_partial != nullptr ? block_dweight.zeroed(cols) : nullptr;
+    P* bb = dbias_partial != nullptr ? block_dbias.zeroed(cols) : nullptr;
     for (int64_t r0 = begin; r0 < end; r0 += kBlockRows) {
       add_block(r0, std::min(end, r0 + kBlockRows), bw, bb);
       for (auto [block, chunk_partial] : {std::pair{bw, dweight_partial}, std::pair{bb, dbias_partial}}) {
@@ -377,6 +434,10 @@ void backward(const NormBackwardParams& p) {
               "layernorm_ext: no CPU backward kernel for ", p.saved_type, " rows and ", p.out_type, " gradients");
   const bool float_math = backward_computes_in_float(p.saved_type == ScalarType::Double,
                                                      p.out_type == ScalarType::Double, p.cols);
+  ScratchLease<float, kWeightSlot> weight_f_scratch;
+  ScratchLease<float, kBiasSlot> bias_f_scratch;
+  ScratchLease<double, kWeightSlot> weight_scratch;
+  ScratchLease<double, kBiasSlot> bias_scratch;
   BackwardRows a{};
   a.grad_out = p.grad_out;
   a.grad_residual_out = p.grad_residual_out;
@@ -384,11 +445,11 @@ void backward(const NormBackwardParams& p) {
   a.mean = p.mean;
   a.rstd = p.rstd;
   if (float_math) {
-    a.weight_f = param_as<float>(p.weight, p.weight_type, p.cols, 0);
-    a.bias_f = param_as<float>(p.bias, p.weight_type, p.cols, 1);
+    a.weight_f = param_as(p.weight, p.weight_type, p.cols, weight_f_scratch);
+    a.bias_f = param_as(p.bias, p.weight_type, p.cols, bias_f_scratch);
   } else {
-    a.weight = param_as<double>(p.weight, p.weight_type, p.cols, 0);
-    a.bias = param_as<double>(p.bias, p.weight_type, p.cols, 1);
+    a.weight = param_as(p.weight, p.weight_type, p.cols, weight_scratch);
+    a.bias = param_as(p.bias, p.weight_type, p.cols, bias_scratch);
   }
   a.grad_input = p.grad_input;
   a.cols = p.cols;
