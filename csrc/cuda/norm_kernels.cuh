@@ -120,12 +120,10 @@ __device__ __forceinline__ void load_pack_dyn(const void* base, ScalarType type,
   }
 }
 
-// Correctly rounded reciprocal / reciprocal square root as single instructions: a division or 1 / sqrt would
-// call a slow-path subroutine whose call frame costs registers (and spills) in every kernel that holds a row.
+// Correctly rounded reciprocal as a single instruction (the long path's Welford merges): a division would call
+// a slow-path subroutine whose call frame costs registers (and spills). rstd is taken as ::rsqrt in double.
 __device__ __forceinline__ float reciprocal(float v) { return __frcp_rn(v); }
 __device__ __forceinline__ double reciprocal(double v) { return __drcp_rn(v); }
-__device__ __forceinline__ float reciprocal_sqrt(float v) { return __frsqrt_rn(v); }
-__device__ __forceinline__ double reciprocal_sqrt(double v) { return ::rsqrt(v); }
 
 // ---- reductions ------------------------------------------------------------------------------------------
 
