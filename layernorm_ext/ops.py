@@ -6,6 +6,7 @@ return and wires each forward to its backward op, so that compiled graphs have n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -151,9 +152,9 @@ def _can_save_output(
 
     Not with a residual: h is an output of the op already, so saving it costs no more than saving out. Not
     when the output is coarser than the weights (half input, float32 weight): xhat would only be as precise as
-    the half output, while the gradients are float32. Not when a weight entry is 0 or much smaller than its
-    bias (see MAX_BIAS_OVER_WEIGHT), and not while tracing (torch.compile / export), when the weight's values
-    cannot be read: in these cases the input is saved, so the gradients stay exact.
+    the half output, while the gradients are float32. Not when a weight entry is 0, much smaller than its
+    bias (see MAX_BIAS_OVER_WEIGHT), or either is not finite, and not while tracing (torch.compile / export),
+    when the weight's values cannot be read: in these cases the input is saved, so the gradients stay exact.
     """
     if not memory_efficient or has_residual:
         return False
@@ -162,11 +163,13 @@ def _can_save_output(
         return False
     if not params:
         return True
+    # Written as what is safe, so that NaN (every comparison false) and infinite entries are unsafe too: the
+    # output of such a column holds no xhat to recover, while the weight's gradient needs it.
     magnitude = weight.abs() if weight is not None else torch.ones_like(bias)
-    unsafe = magnitude == 0
+    safe = (magnitude > 0) & (magnitude < math.inf)
     if bias is not None:
-        unsafe = unsafe | (bias.abs() > MAX_BIAS_OVER_WEIGHT * magnitude)
-    return not bool(unsafe.any())
+        safe = safe & (bias.abs() <= MAX_BIAS_OVER_WEIGHT * magnitude)
+    return bool(safe.all())
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...], rms: bool) -> None:

@@ -273,7 +273,7 @@ void forward_split(const NormForwardParams& p, const RowKernels& k, const Forwar
       var_or_ms = sq / static_cast<double>(cols) - dev_mean * dev_mean;
       mean = static_cast<double>(center) + dev_mean;
     }
-    const C rstd = static_cast<C>(1.0 / std::sqrt(std::max(var_or_ms, 0.0) + p.eps));
+    const C rstd = static_cast<C>(1.0 / std::sqrt((var_or_ms < 0.0 ? 0.0 : var_or_ms) + p.eps));
     if (p.mean != nullptr) static_cast<C*>(p.mean)[row] = static_cast<C>(mean);
     static_cast<C*>(p.rstd)[row] = rstd;
     for_each_range(cols, [&](int64_t, int64_t c0, int64_t c1) {

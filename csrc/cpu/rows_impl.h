@@ -495,18 +495,27 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
       // (N = 1: dx is proportional to 1 - xhat^2) is sensitive to every rounding of it. Longer rows average
       // the float roundings out.
       var_or_ms = n < 4 * L ? squares(double{}) : squares(C{});
+      // Float squares overflow beyond |x| ~ 1.8e19 (ATen's float statistics give 0 or NaN there); such a row
+      // (or one holding an infinity) squares again in double, a second pass only where the first overflowed.
+      if (__builtin_isinf(var_or_ms)) var_or_ms = squares(double{});
     } else {
       // One pass of sums about a shift (the mean of the first vector), exact when the shift is near the
       // mean; if it is not (rarely), a second pass from cache about the mean found.
       const int64_t head = min64(n, L);
       const C shift = static_cast<C>(
           horizontal_sum(widen<C>(keep_first<C>(load_at<C>(src, 0, head), head))) / static_cast<double>(head));
-      auto centered_sums = [&](C center) {
-        const Vec<C> center_v = broadcast<C>(center);
-        const auto [dev, sq] = row_sums<C>(n, [&](int64_t j, int64_t count) {
-          const Vec<C> d = load_at<C>(src, j, count) - center_v;
+      auto sums_in = [&](auto compute_tag, C center) {
+        using Q = decltype(compute_tag);
+        const Vec<Q> center_v = broadcast<Q>(static_cast<Q>(center));
+        return row_sums<Q>(n, [&](int64_t j, int64_t count) {
+          const Vec<Q> d = load_at<Q>(src, j, count) - center_v;
           return std::make_pair(d, d * d);
         });
+      };
+      auto centered_sums = [&](C center) {
+        auto [dev, sq] = sums_in(C{}, center);
+        // Overflowed float squares (|x - center| beyond ~1.8e19): the sums again in double, as for RMSNorm.
+        if (__builtin_isinf(sq)) std::tie(dev, sq) = sums_in(double{}, center);
         const double dev_mean = dev / static_cast<double>(n);
         return std::make_pair(static_cast<double>(center) + dev_mean, sq / static_cast<double>(n) - dev_mean * dev_mean);
       };
@@ -517,7 +526,8 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
       mean_lo = static_cast<C>(mean - static_cast<double>(mean_hi));
       var_or_ms = var;
     }
-    const C rstd = static_cast<C>(1.0 / __builtin_sqrt((var_or_ms > 0.0 ? var_or_ms : 0.0) + eps));
+    // A negative rounding residue of the variance counts as 0; NaN stays NaN (a NaN in the row poisons it).
+    const C rstd = static_cast<C>(1.0 / __builtin_sqrt((var_or_ms < 0.0 ? 0.0 : var_or_ms) + eps));
     if (mean_out != nullptr) mean_out[row] = mean_hi;
     rstd_out[row] = rstd;
 
@@ -912,11 +922,16 @@ template <class S>
 void segment_sums(const void* src, int64_t begin, int64_t end, double center, double* out) {
   using C = ComputeOf<S>;
   const S* x = static_cast<const S*>(src) + begin;
-  const Vec<C> center_v = broadcast<C>(static_cast<C>(center));
-  const auto [dev, sq] = row_sums<C>(end - begin, [&](int64_t j, int64_t count) {
-    const Vec<C> d = load_at<C>(x, j, count) - center_v;
-    return std::make_pair(d, d * d);
-  });
+  auto sums_in = [&](auto compute_tag) {
+    using Q = decltype(compute_tag);
+    const Vec<Q> center_v = broadcast<Q>(static_cast<Q>(static_cast<C>(center)));
+    return row_sums<Q>(end - begin, [&](int64_t j, int64_t count) {
+      const Vec<Q> d = load_at<Q>(x, j, count) - center_v;
+      return std::make_pair(d, d * d);
+    });
+  };
+  auto [dev, sq] = sums_in(C{});
+  if (__builtin_isinf(sq)) std::tie(dev, sq) = sums_in(double{});  // overflowed float squares: in double
   out[0] = dev;
   out[1] = sq;
 }

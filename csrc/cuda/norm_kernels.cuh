@@ -51,6 +51,7 @@ inline c10::DataPtr workspace(size_t bytes) { return c10::cuda::CUDACachingAlloc
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "../norm_params.h"
@@ -273,7 +274,7 @@ __device__ __forceinline__ RowStats<A> finish_stats(const ForwardArgs<A>& a, int
   RowStats<A> st;
   st.shift = shift;
   st.corr = static_cast<A>(mean_rest);
-  st.rstd = static_cast<A>(::rsqrt((var > 0.0 ? var : 0.0) + a.eps));
+  st.rstd = static_cast<A>(::rsqrt((var < 0.0 ? 0.0 : var) + a.eps));  // NaN stays NaN: it poisons the row
   if (writer) {
     if (!kRms) a.mean[row] = static_cast<A>(static_cast<double>(shift) + mean_rest);
     a.rstd[row] = st.rstd;
@@ -338,12 +339,31 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_rows_kernel(ForwardArg
         }
       }
     }
+    double first_sum = static_cast<double>(first), second_sum = static_cast<double>(second);
+    if constexpr (!std::is_same_v<A, double>) {
+      // Float squares overflow beyond |d| ~ 1.8e19 (ATen's float statistics give 0 or NaN there): this lane's
+      // sums again in double from its registers, only where they overflowed (or an infinity is held).
+      if (second > std::numeric_limits<A>::max()) {
+        first_sum = second_sum = 0.0;
+#pragma unroll
+        for (int p = 0; p < kPacks; ++p) {
+          if (p < held) {
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) {
+              const double d = static_cast<double>(h[p][j]) - static_cast<double>(shift);
+              first_sum += d;
+              second_sum += d * d;
+            }
+          }
+        }
+      }
+    }
     Moments m;
     if constexpr (kRms) {
-      m.v[0] = static_cast<double>(second);
+      m.v[0] = second_sum;
     } else {
-      m.v[0] = static_cast<double>(first);
-      m.v[1] = static_cast<double>(second);
+      m.v[0] = first_sum;
+      m.v[1] = second_sum;
     }
     m = row_allreduce(m, a.lanes, scratch);
     RowStats<A> st;
