@@ -153,8 +153,10 @@ def _can_save_output(
     Not with a residual: h is an output of the op already, so saving it costs no more than saving out. Not
     when the output is coarser than the weights (half input, float32 weight): xhat would only be as precise as
     the half output, while the gradients are float32. Not when a weight entry is 0, much smaller than its
-    bias (see MAX_BIAS_OVER_WEIGHT), or either is not finite, and not while tracing (torch.compile / export),
-    when the weight's values cannot be read: in these cases the input is saved, so the gradients stay exact.
+    bias (see MAX_BIAS_OVER_WEIGHT), or either is not finite. Not while tracing (torch.compile / export), when
+    the weight's values cannot be read, nor during CUDA graph capture, when reading them (a wait for the GPU)
+    is forbidden. In all these cases the input is saved, so the gradients stay exact. Otherwise, on CUDA, the
+    check reads one flag from the GPU: memory_efficient costs one host synchronization per call.
     """
     if not memory_efficient or has_residual:
         return False
@@ -163,6 +165,8 @@ def _can_save_output(
         return False
     if not params:
         return True
+    if input.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False  # reading the weight below waits for the GPU, which CUDA graph capture forbids
     # Written as what is safe, so that NaN (every comparison false) and infinite entries are unsafe too: the
     # output of such a column holds no xhat to recover, while the weight's gradient needs it.
     magnitude = weight.abs() if weight is not None else torch.ones_like(bias)

@@ -304,6 +304,40 @@ def test_graph_forward(fn: str, n: int) -> None:
             _same_bits(got, want, f"replay {trial} output {i}")
 
 
+@pytest.mark.parametrize("fn", ["layer_norm", "rms_norm"])
+def test_graph_forward_memory_efficient(fn: str) -> None:
+    """memory_efficient=True with parameters that require grad: in eager mode the forward reads the weight to
+    choose what to save for backward (a wait for the GPU), which capture forbids. Under capture it saves the
+    input instead, with no wait; replays equal eager calls bitwise."""
+    m, n = 64, 4096
+    gen = torch.Generator(device=CUDA).manual_seed(17)
+    x = _cuda_randn(gen, m, n, dtype=BF16, shift=0.3)
+    w = _cuda_randn(gen, n, dtype=BF16, scale=0.5, shift=1.0).requires_grad_(True)
+    b = _cuda_randn(gen, n, dtype=BF16, scale=0.2).requires_grad_(True)
+    saved: list[int] = []
+
+    def pack(t: Tensor) -> Tensor:
+        saved.append(t.untyped_storage().data_ptr())
+        return t
+
+    def call() -> list[Tensor]:
+        saved.clear()  # what the latest call saved
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if fn == "layer_norm":
+                return [L.layer_norm(x, n, w, b, memory_efficient=True)]
+            return [L.rms_norm(x, n, w, memory_efficient=True)]
+
+    eager_out = call()[0]
+    assert eager_out.untyped_storage().data_ptr() in saved, "eager memory_efficient saved no output"
+    graph, static_outs = _capture(call)
+    assert x.untyped_storage().data_ptr() in saved, "under capture the input must be saved"
+    assert static_outs[0].untyped_storage().data_ptr() not in saved
+    for trial in range(2):
+        x.copy_(_cuda_randn(gen, m, n, dtype=BF16, scale=1.0 + trial, shift=trial))
+        graph.replay()
+        _same_bits(static_outs[0], call()[0], f"replay {trial}")
+
+
 def _raw_fwd_bwd(
     rms: bool, n: int, x: Tensor, r: Tensor | None, w: Tensor, b: Tensor | None, g: Tensor, gr: Tensor | None
 ) -> list[Tensor]:
