@@ -2,13 +2,14 @@
 (``LAYERNORM_EXT_JIT=1``) and when a pure-Python install (``LAYERNORM_EXT_BUILD=0``) builds it on first import.
 
 Only one native library may be loaded per process, so the JIT side runs in a subprocess (this file run as a
-script) with its own extension cache; it saves its results, which are compared with the same computation
-done here on the prebuilt library. Each test builds the library once (about a minute): marked slow.
+script) with an extension cache of the test's own; it saves its results, which are compared with the same
+computation done here on the prebuilt library. The test compiles the library once (minutes on 2 cores): slow.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -19,6 +20,7 @@ from torch import Tensor
 
 import layernorm_ext
 from layernorm_ext import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from layernorm_ext._loader import native
 from layernorm_ext._sources import CPU_SOURCES
 
 try:  # pytest is not needed by the subprocess side
@@ -103,10 +105,10 @@ def _child_main(out_path: str) -> None:
     torch.save(payload, out_path)
 
 
-def _run_child(tmp_path: Path, env_extra: dict[str, str], python_prelude: str = "") -> dict:
-    """Run this file as a script in a subprocess with its own extension cache; return what it saved."""
-    ext_dir = tmp_path / "torch_extensions"
+def _run_child(tmp_path: Path, ext_dir: Path, env_extra: dict[str, str], python_prelude: str = "") -> dict:
+    """Run this file as a script in a subprocess with the extension cache ``ext_dir``; return what it saved."""
     out_path = tmp_path / "jit_results.pt"
+    out_path.unlink(missing_ok=True)
     env = dict(os.environ)
     env.pop("LAYERNORM_EXT_JIT", None)
     env.update(env_extra)
@@ -121,8 +123,12 @@ def _run_child(tmp_path: Path, env_extra: dict[str, str], python_prelude: str = 
         cwd=str(tmp_path),
     )
     assert proc.returncode == 0, f"JIT subprocess failed:\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-    assert list(ext_dir.rglob("layernorm_ext_jit*.so")), f"no JIT library under TORCH_EXTENSIONS_DIR={ext_dir}"
     return torch.load(out_path, weights_only=True)
+
+
+def _jit_libraries(ext_dir: Path) -> dict[Path, int]:
+    """The JIT-built libraries in the cache, with their modification times (ns)."""
+    return {p: p.stat().st_mtime_ns for p in ext_dir.rglob("layernorm_ext_jit*.so")}
 
 
 def _assert_same_as_prebuilt(payload: dict) -> None:
@@ -144,21 +150,16 @@ def _assert_same_as_prebuilt(payload: dict) -> None:
     assert not mismatched, f"JIT and prebuilt results differ bitwise: {mismatched}"
 
 
-def test_jit_build_matches_prebuilt(tmp_path: Path) -> None:
-    assert layernorm_ext.build_info()["load_method"] == "prebuilt", "this process must use the prebuilt library"
-    payload = _run_child(tmp_path, {"LAYERNORM_EXT_JIT": "1"})
-    _assert_same_as_prebuilt(payload)
-
-
 # A development install (pip install -e) puts a finder on sys.meta_path that would hand the child the prebuilt
-# layernorm_ext._C; the child drops it so that it sees only the pure-Python install.
+# layernorm_ext._C; the child drops it so that it sees only the install under test.
 _DROP_EDITABLE_FINDERS = (
     "import sys\n"
     "sys.meta_path[:] = [f for f in sys.meta_path if not str(getattr(f, '__module__', '')).startswith('__editable__')]"
 )
 
 
-def test_pure_python_install_builds_on_first_import(tmp_path: Path) -> None:
+def _pure_python_install(tmp_path: Path) -> Path:
+    """``LAYERNORM_EXT_BUILD=0``: a wheel with the sources and no library, installed into a folder of its own."""
     repo = Path(__file__).resolve().parents[1]
     wheel_dir, site = tmp_path / "wheel", tmp_path / "site"
     env = dict(os.environ, LAYERNORM_EXT_BUILD="0")
@@ -179,10 +180,38 @@ def test_pure_python_install_builds_on_first_import(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S,
     )
     assert install.returncode == 0, install.stderr[-4000:]
+    return site
 
-    payload = _run_child(tmp_path, {"PYTHONPATH": str(site)}, _DROP_EDITABLE_FINDERS)
+
+def test_jit_builds_match_prebuilt(tmp_path: Path) -> None:
+    """Both ways to the JIT library, with one compilation between them (a build takes minutes on 2 cores):
+
+    1. A pure-Python install (``LAYERNORM_EXT_BUILD=0``) builds the library on first import, into an empty
+       extension cache; its results are bitwise those of the prebuilt library of this process.
+    2. The same install given this process's prebuilt library, with ``LAYERNORM_EXT_JIT=1``: the import takes
+       the JIT path all the same (the prebuilt is not loaded), finds the cached build of step 1 up to date and
+       loads it without compiling again; bitwise the same results.
+    3. The same install without ``LAYERNORM_EXT_JIT``: the prebuilt library loads.
+    """
+    assert layernorm_ext.build_info()["load_method"] == "prebuilt", "this process must use the prebuilt library"
+    site = _pure_python_install(tmp_path)
+    ext_dir = tmp_path / "torch_extensions"
+    env = {"PYTHONPATH": str(site)}
+
+    payload = _run_child(tmp_path, ext_dir, env, _DROP_EDITABLE_FINDERS)
     assert Path(payload["package_file"]).resolve().is_relative_to(site.resolve()), payload["package_file"]
+    built = _jit_libraries(ext_dir)
+    assert built, f"no JIT library under TORCH_EXTENSIONS_DIR={ext_dir}"
     _assert_same_as_prebuilt(payload)
+
+    prebuilt = Path(native.__file__)
+    shutil.copy2(prebuilt, site / "layernorm_ext" / prebuilt.name)
+    payload = _run_child(tmp_path, ext_dir, {**env, "LAYERNORM_EXT_JIT": "1"}, _DROP_EDITABLE_FINDERS)
+    assert _jit_libraries(ext_dir) == built, "LAYERNORM_EXT_JIT=1 rebuilt instead of reusing the cached build"
+    _assert_same_as_prebuilt(payload)
+
+    payload = _run_child(tmp_path, ext_dir, env, _DROP_EDITABLE_FINDERS)
+    assert payload["build_info"]["load_method"] == "prebuilt" and payload["prebuilt_loaded"] is True
 
 
 if __name__ == "__main__":
