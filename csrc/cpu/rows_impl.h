@@ -401,6 +401,25 @@ inline std::pair<double, double> row_sums(int64_t n, Term term) {
 template <class T>
 using ComputeOf = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
+// {sum(x - center), sum((x - center)^2)} over x[0, n), in the compute type Q.
+template <class Q, class S>
+inline std::pair<double, double> centered_sums_in(const S* x, int64_t n, Q center) {
+  const Vec<Q> center_v = broadcast<Q>(center);
+  return row_sums<Q>(n, [&](int64_t j, int64_t count) {
+    const Vec<Q> d = load_at<Q>(x, j, count) - center_v;
+    return std::make_pair(d, d * d);
+  });
+}
+
+// The same in S's compute type; where float squares overflowed (|x - center| beyond ~1.8e19, where ATen's
+// float statistics give 0 or NaN) or the row holds an infinity, again in double: a second pass only there.
+template <class S>
+inline std::pair<double, double> centered_sums(const S* x, int64_t n, ComputeOf<S> center) {
+  std::pair<double, double> sums = centered_sums_in(x, n, center);
+  if (__builtin_isinf(sums.second)) sums = centered_sums_in(x, n, static_cast<double>(center));
+  return sums;
+}
+
 // ---- h = x + r ----------------------------------------------------------------------------------------------
 template <class X, class R, class H>
 void add_row(const void* x_ptr, const void* r_ptr, void* h_ptr, int64_t offset, int64_t n) {
@@ -504,24 +523,14 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
       const int64_t head = min64(n, L);
       const C shift = static_cast<C>(
           horizontal_sum(widen<C>(keep_first<C>(load_at<C>(src, 0, head), head))) / static_cast<double>(head));
-      auto sums_in = [&](auto compute_tag, C center) {
-        using Q = decltype(compute_tag);
-        const Vec<Q> center_v = broadcast<Q>(static_cast<Q>(center));
-        return row_sums<Q>(n, [&](int64_t j, int64_t count) {
-          const Vec<Q> d = load_at<Q>(src, j, count) - center_v;
-          return std::make_pair(d, d * d);
-        });
-      };
-      auto centered_sums = [&](C center) {
-        auto [dev, sq] = sums_in(C{}, center);
-        // Overflowed float squares (|x - center| beyond ~1.8e19): the sums again in double, as for RMSNorm.
-        if (__builtin_isinf(sq)) std::tie(dev, sq) = sums_in(double{}, center);
+      auto centered_stats = [&](C center) {
+        const auto [dev, sq] = centered_sums(src, n, center);
         const double dev_mean = dev / static_cast<double>(n);
         return std::make_pair(static_cast<double>(center) + dev_mean, sq / static_cast<double>(n) - dev_mean * dev_mean);
       };
-      auto [mean, var] = centered_sums(shift);
+      auto [mean, var] = centered_stats(shift);
       const double offset_sq = (mean - static_cast<double>(shift)) * (mean - static_cast<double>(shift));
-      if (offset_sq > kMaxShiftSq * var) std::tie(mean, var) = centered_sums(static_cast<C>(mean));
+      if (offset_sq > kMaxShiftSq * var) std::tie(mean, var) = centered_stats(static_cast<C>(mean));
       mean_hi = static_cast<C>(mean);
       mean_lo = static_cast<C>(mean - static_cast<double>(mean_hi));
       var_or_ms = var;
@@ -922,16 +931,7 @@ template <class S>
 void segment_sums(const void* src, int64_t begin, int64_t end, double center, double* out) {
   using C = ComputeOf<S>;
   const S* x = static_cast<const S*>(src) + begin;
-  auto sums_in = [&](auto compute_tag) {
-    using Q = decltype(compute_tag);
-    const Vec<Q> center_v = broadcast<Q>(static_cast<Q>(static_cast<C>(center)));
-    return row_sums<Q>(end - begin, [&](int64_t j, int64_t count) {
-      const Vec<Q> d = load_at<Q>(x, j, count) - center_v;
-      return std::make_pair(d, d * d);
-    });
-  };
-  auto [dev, sq] = sums_in(C{});
-  if (__builtin_isinf(sq)) std::tie(dev, sq) = sums_in(double{});  // overflowed float squares: in double
+  const auto [dev, sq] = centered_sums(x, end - begin, static_cast<C>(center));
   out[0] = dev;
   out[1] = sq;
 }
