@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _checks
+from . import _checks, sharding
 from ._loader import native  # noqa: F401  (loading the library defines the ops)
 
 _ops = torch.ops.layernorm_ext
@@ -169,6 +169,8 @@ def _can_save_output(
         return False  # reading the weight below waits for the GPU, which CUDA graph capture forbids
     # Written as what is safe, so that NaN (every comparison false) and infinite entries are unsafe too: the
     # output of such a column holds no xhat to recover, while the weight's gradient needs it.
+    # DTensor parameters are read whole (no collective when replicated), so every rank takes the same choice.
+    weight, bias = (sharding.full_tensor(t) for t in (weight, bias))
     magnitude = weight.abs() if weight is not None else torch.ones_like(bias)
     safe = (magnitude > 0) & (magnitude < math.inf)
     if bias is not None:
@@ -198,6 +200,9 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]
     ctx.out_shape = out.shape
     ctx.out_dtype = out.dtype
     ctx.save_for_backward(saved, mean, rstd, weight, bias)
+    # The gradient of an unused output comes as None, not as zeros autograd would make (plain tensors even
+    # for DTensor outputs): _backward makes only the one the kernel needs, and grad_residual_out=None is free.
+    ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(rstd)
     if mean is not None:
         ctx.mark_non_differentiable(mean)
@@ -206,7 +211,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]
 def _backward(ctx: Any, grad_out: Tensor | None, grad_residual_out: Tensor | None, rms: bool) -> tuple[Any, ...]:
     saved, mean, rstd, weight, bias = ctx.saved_tensors
     if grad_out is None:  # only residual_out was used
-        grad_out = torch.zeros(ctx.out_shape, dtype=ctx.out_dtype, device=saved.device)
+        grad_out = saved.new_zeros(ctx.out_shape, dtype=ctx.out_dtype)  # a DTensor for DTensor inputs
     if not ctx.has_residual:
         grad_residual_out = None
     if rms:
@@ -253,3 +258,7 @@ torch.library.register_autograd(
     "layernorm_ext::layer_norm_fwd", _layer_norm_backward, setup_context=_layer_norm_setup
 )
 torch.library.register_autograd("layernorm_ext::rms_norm_fwd", _rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+# DTensor sharding strategies (layernorm_ext/sharding.py), registered once torch.distributed.tensor is loaded.
+sharding.register_when_imported()

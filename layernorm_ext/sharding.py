@@ -1,0 +1,225 @@
+"""DTensor sharding strategies for every op of torch.ops.layernorm_ext (tensor / sequence parallelism).
+
+A norm works row by row, so it runs on each shard's local rows with no communication as long as no normalized
+dim is sharded: the output, the residual output and the statistics keep the input's placement, and the weight
+and bias stay replicated. In the backward, grad_input keeps that placement and the weight / bias gradients
+(sums over rows) come out Partial("sum"), reduced when something needs them whole. These are the strategies
+ATen gives its own layer_norm and rms_norm (torch/distributed/tensor/_ops/_math_ops.py), so a DTensor input
+is placed, redistributed (an input sharded on a normalized dim: the propagator picks the cheapest of the
+placements below, as for ATen) and reduced exactly as with torch.nn.functional.layer_norm / rms_norm.
+
+Importing torch.distributed.tensor costs a third of a second, more than all of this package, so the
+strategies are registered when it is first imported (an import hook), or at once if it already was.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import inspect
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+
+_ops = torch.ops.layernorm_ext
+_DTENSOR_MODULE = "torch.distributed.tensor"
+
+# Index of normalized_shape, the first argument after which every non-tensor argument enters DTensor's cache key.
+_STATIC_ARGNUM = {"layer_norm_fwd": 1, "rms_norm_fwd": 1, "layer_norm_bwd": 4, "rms_norm_bwd": 3}
+
+
+def _placements(input: Any, normalized_shape: Sequence[int]) -> list[Any]:
+    """Where a row-wise op may run without communication: replicated, or sharded on a dim not normalized."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    axis = input.ndim - len(normalized_shape)
+    return [Replicate()] + [Shard(d) for d in range(max(axis, 0))]
+
+
+def _given(arg: Any, placement: Any) -> Any:
+    """An optional tensor argument's placement: None where the argument is None."""
+    return None if arg is None else placement
+
+
+def _reduced_over_rows(arg: Any, place: Any) -> Any:
+    """Placement of a parameter's gradient (a sum over rows): partial where the rows are sharded. Without the
+    parameter the op returns an empty placeholder, the same on every rank."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    if arg is None or isinstance(place, Replicate):
+        return Replicate()
+    return Partial("sum")
+
+
+Strategies = list[tuple[list[Any], list[Any]]]
+
+
+# Each function below has its op's signature (DTensorSpecs for tensors) and returns, per acceptable placement
+# on one mesh dim, (output placements, input placements), None for arguments that are not tensors.
+def _layer_norm_fwd(
+    input: Any, normalized_shape: Sequence[int], weight: Any, bias: Any, eps: float, residual: Any = None,
+    residual_in_fp32: bool = False, memory_efficient: bool = False,
+) -> Strategies:
+    from torch.distributed.tensor import Replicate
+
+    return [
+        # out, residual_out (an empty placeholder without a residual), mean, rstd
+        ([place, place if residual is not None else Replicate(), place, place],
+         [place, None, _given(weight, Replicate()), _given(bias, Replicate()), None, _given(residual, place)])
+        for place in _placements(input, normalized_shape)
+    ]  # fmt: skip
+
+
+def _rms_norm_fwd(
+    input: Any, normalized_shape: Sequence[int], weight: Any, eps: float | None, residual: Any = None,
+    residual_in_fp32: bool = False, memory_efficient: bool = False,
+) -> Strategies:
+    from torch.distributed.tensor import Replicate
+
+    return [
+        # out, residual_out, rstd
+        ([place, place if residual is not None else Replicate(), place],
+         [place, None, _given(weight, Replicate()), None, _given(residual, place)])
+        for place in _placements(input, normalized_shape)
+    ]  # fmt: skip
+
+
+def _layer_norm_bwd(
+    grad_out: Any, saved: Any, mean: Any, rstd: Any, normalized_shape: Sequence[int], weight: Any, bias: Any,
+    saved_is_output: bool = False, grad_residual_out: Any = None,
+) -> Strategies:
+    from torch.distributed.tensor import Replicate
+
+    return [
+        # grad_input, grad_weight, grad_bias
+        ([place, _reduced_over_rows(weight, place), _reduced_over_rows(bias, place)],
+         [place, place, place, place, None, _given(weight, Replicate()), _given(bias, Replicate()), None,
+          _given(grad_residual_out, place)])
+        for place in _placements(saved, normalized_shape)
+    ]  # fmt: skip
+
+
+def _rms_norm_bwd(
+    grad_out: Any, saved: Any, rstd: Any, normalized_shape: Sequence[int], weight: Any,
+    saved_is_output: bool = False, grad_residual_out: Any = None,
+) -> Strategies:
+    from torch.distributed.tensor import Replicate
+
+    return [
+        # grad_input, grad_weight
+        ([place, _reduced_over_rows(weight, place)],
+         [place, place, place, None, _given(weight, Replicate()), None, _given(grad_residual_out, place)])
+        for place in _placements(saved, normalized_shape)
+    ]  # fmt: skip
+
+
+def register() -> None:
+    """Register the strategies of every op with DTensor (torch.distributed.tensor must be importable)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+    from torch.distributed.tensor.experimental import register_sharding
+
+    strategy_fns = {
+        "layer_norm_fwd": _layer_norm_fwd,
+        "rms_norm_fwd": _rms_norm_fwd,
+        "layer_norm_bwd": _layer_norm_bwd,
+        "rms_norm_bwd": _rms_norm_bwd,
+    }
+    # DTensor caches the chosen strategy per input specs and the arguments from static_argnum on: these must
+    # include normalized_shape (SymInt[]), which decides the dims that may stay sharded. register_sharding
+    # derives static_argnum from int arguments only (there are none), unless it takes schema_info (newer torch).
+    takes_schema_info = "schema_info" in inspect.signature(register_sharding).parameters
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for name, fn in strategy_fns.items():
+        overload = getattr(_ops, name).default
+        schema_info = RuntimeSchemaInfo(_STATIC_ARGNUM[name], needs_pytree=True)
+        if takes_schema_info:
+            register_sharding(overload, schema_info=schema_info)(fn)
+        else:
+            register_sharding(overload)(fn)
+            propagator.register_op_strategy(overload, propagator.op_strategy_funcs[overload], schema_info)
+
+
+def sequence_parallel(sequence_dim: int = 1, use_local_output: bool = False) -> Any:
+    """A ``torch.distributed.tensor.parallel.SequenceParallel`` plan entry for our modules, which also take a
+    residual: every tensor argument is sharded on ``sequence_dim`` (torch's style passes on only the first, so
+    ``norm(x, residual)`` would silently lose its residual), and a tuple output ``(out, residual_out)`` is
+    returned whole (local tensors with ``use_local_output``). For one-argument calls it is torch's style.
+    """
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    class _EveryInput(SequenceParallel):
+        @staticmethod
+        def _prepare_input_fn(sequence_sharding: Any, mod: Any, inputs: Any, device_mesh: Any) -> Any:
+            return tuple(
+                SequenceParallel._prepare_input_fn(sequence_sharding, mod, (t,), device_mesh)
+                if isinstance(t, torch.Tensor) else t
+                for t in inputs
+            )  # fmt: skip
+
+        @staticmethod
+        def _prepare_output_fn(use_local_output: bool, mod: Any, outputs: Any, device_mesh: Any) -> Any:
+            each = SequenceParallel._prepare_output_fn
+            if isinstance(outputs, tuple):
+                return tuple(each(use_local_output, mod, o, device_mesh) for o in outputs)
+            return each(use_local_output, mod, outputs, device_mesh)
+
+    return _EveryInput(sequence_dim=sequence_dim, use_local_output=use_local_output)
+
+
+def is_dtensor(t: object) -> bool:
+    """isinstance(t, DTensor), without importing torch.distributed.tensor where nothing has."""
+    module = sys.modules.get(_DTENSOR_MODULE)
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def full_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor's whole value as a plain tensor (a collective unless it is replicated); t itself otherwise."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds torch.distributed.tensor as the other finders do, and registers the strategies once it is loaded."""
+
+    def __init__(self) -> None:
+        self._loader: Any = None
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _DTENSOR_MODULE:
+            return None
+        sys.meta_path.remove(self)  # fire once
+        for finder in sys.meta_path:
+            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        self._loader = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        # The module keeps its own loader; this one only runs register() once the module has loaded.
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        register()
+
+
+def register_when_imported() -> None:
+    """Register now if torch.distributed.tensor is loaded, else as soon as something imports it."""
+    if not torch.distributed.is_available():
+        return
+    if _DTENSOR_MODULE in sys.modules:
+        register()
+    elif not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport())

@@ -1,0 +1,104 @@
+"""DTensor sharding strategies (layernorm_ext/sharding.py): when they register, and two-process runs of every op
+on DTensors, of FSDP2 training and of a sequence-parallel block (tests/distributed_worker.py holds the checks).
+
+The two ranks are processes of their own, started here with the gloo backend on the loopback interface (and
+with NCCL where two GPUs are present), rendezvous through a file, each bounded in time.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+WORLD_SIZE = 2
+TIMEOUT_S = 300
+
+BACKENDS = []
+if dist.is_available() and dist.is_gloo_available():
+    BACKENDS.append("gloo")
+if dist.is_available() and dist.is_nccl_available() and torch.cuda.device_count() >= WORLD_SIZE:
+    BACKENDS.append("nccl")
+
+pytestmark = pytest.mark.skipif(not BACKENDS, reason="torch.distributed with the gloo backend is not available")
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+REGISTERED = """
+import torch
+from torch.distributed.tensor import DTensor
+funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+print(sorted(name for name in ("layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd")
+             if getattr(torch.ops.layernorm_ext, name).default in funcs))
+"""
+ALL_OPS = "['layer_norm_bwd', 'layer_norm_fwd', 'rms_norm_bwd', 'rms_norm_fwd']"
+
+
+def test_import_does_not_load_dtensor_and_registers_when_it_loads() -> None:
+    code = "import sys\nimport layernorm_ext\nprint('torch.distributed.tensor' in sys.modules)\n" + REGISTERED
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["False", ALL_OPS], proc.stdout
+
+
+def test_registers_when_dtensor_was_loaded_first() -> None:
+    proc = _python("import torch.distributed.tensor\nimport layernorm_ext\n" + REGISTERED)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ALL_OPS, proc.stdout
+
+
+def test_cache_key_holds_normalized_shape() -> None:
+    """DTensor reuses a strategy for equal input specs and equal arguments from static_argnum on: that must
+    include normalized_shape, or (4, 6, 16) sharded on dim 1 would stay sharded when (6, 16) is normalized."""
+    code = """
+import layernorm_ext, torch
+from torch.distributed.tensor import DTensor
+info = DTensor._op_dispatcher.sharding_propagator.op_to_schema_info
+ops = torch.ops.layernorm_ext
+for name, index in (("layer_norm_fwd", 1), ("rms_norm_fwd", 1), ("layer_norm_bwd", 4), ("rms_norm_bwd", 3)):
+    op = getattr(ops, name).default
+    assert op._schema.arguments[index].name == "normalized_shape", name
+    assert info[op].static_argnum == index, (name, info[op].static_argnum)
+print("ok")
+"""
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scenario", ["ops", "fsdp", "sequence_parallel"])
+def test_two_processes(scenario: str, backend: str, tmp_path: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
+    store = tmp_path / "store"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), scenario, backend, str(rank), str(WORLD_SIZE), str(store)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in range(WORLD_SIZE)
+    ]  # fmt: skip
+    outputs = []
+    try:
+        for proc in ranks:
+            outputs.append(proc.communicate(timeout=TIMEOUT_S)[0])
+    except subprocess.TimeoutExpired:
+        for proc in ranks:
+            proc.kill()
+        outputs += [proc.communicate()[0] for proc in ranks[len(outputs):]]
+        pytest.fail(f"{scenario} ({backend}) did not finish in {TIMEOUT_S} s:\n" + "\n".join(outputs))
+    report = "\n".join(f"--- rank {rank} (exit {proc.returncode}):\n{out}" for rank, (proc, out) in
+                       enumerate(zip(ranks, outputs)))  # fmt: skip
+    assert all(proc.returncode == 0 for proc in ranks), report
+    assert all(f"{scenario}:" in out for out in outputs), report
+    print(report)
