@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 import layernorm_ext
 from conftest import CPU_ISAS
-from layernorm_ext import native
+from layernorm_ext import _sources, native
 
 
 def _isa_in_subprocess(value: str) -> subprocess.CompletedProcess[str]:
@@ -94,3 +98,45 @@ def test_wide_call_keeps_no_wide_scratch() -> None:
     layernorm_ext.rms_norm(x, (n,), w).float().sum().backward()
     assert w.grad is not None and b.grad is not None
     assert native.cpu_scratch_bytes() <= before, (before, native.cpu_scratch_bytes())
+
+
+# The row kernels' translation units and the one function each may define for other objects to link to.
+ISA_OBJECTS = {
+    "cpu/rows_portable.cpp": "layernorm_ext::cpu::portable_row_kernels()",
+    "cpu/rows_avx2.cpp": "layernorm_ext::cpu::avx2_row_kernels()",
+    "cpu/rows_avx512.cpp": "layernorm_ext::cpu::avx512_row_kernels()",
+}
+
+
+def _toolchain() -> tuple[str, str]:
+    """The C++ compiler torch's cpp_extension would use ($CXX, else c++) and nm; skips where either is missing
+    or the sources' x86-64 intrinsics and GCC target pragmas do not apply."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not sys.platform.startswith("linux"):
+        pytest.skip(f"the instruction-set sources are for x86-64 Linux (here {sys.platform}, {platform.machine()})")
+    cxx = os.environ.get("CXX", "c++")
+    found_cxx, nm = shutil.which(cxx), shutil.which("nm")
+    if found_cxx is None or nm is None:
+        pytest.skip(f"needs a C++ compiler ({cxx!r}: {found_cxx}) and nm ({nm}) to inspect the objects")
+    return found_cxx, nm
+
+
+@pytest.mark.parametrize("source", sorted(ISA_OBJECTS))
+def test_isa_object_defines_only_its_entry(source: str) -> None:
+    """An object compiled for an instruction set must not define, for the linker to share, any function another
+    object could also define (inline functions of the shared headers, std:: template instantiations): the
+    linker keeps one copy of such a weak symbol for every caller, and if it picks the AVX-512 one, code that
+    never checked the CPU runs AVX-512 instructions (illegal instruction elsewhere). -O0 (debug builds) is
+    where such copies were emitted: nothing is inlined there."""
+    cxx, nm = _toolchain()
+    path = _sources.csrc_dir() / source
+    flags = [flag for flag in _sources.CXX_FLAGS if not flag.startswith("-O")]
+    with tempfile.TemporaryDirectory() as tmp:
+        obj = Path(tmp) / "rows.o"
+        cmd = [cxx, "-std=c++17", "-O0", "-fPIC", *flags, "-c", str(path), "-o", str(obj)]
+        compiled = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert compiled.returncode == 0, f"{' '.join(cmd)}\n{compiled.stderr}"
+        listed = subprocess.run([nm, "-C", "--defined-only", "-g", str(obj)], capture_output=True, text=True)
+        assert listed.returncode == 0, listed.stderr
+    # Lines "address type name"; the name may hold spaces.
+    defined = {line.split(maxsplit=2)[2] for line in listed.stdout.splitlines() if line.strip()}
+    assert defined == {ISA_OBJECTS[source]}, sorted(defined)

@@ -1,7 +1,8 @@
 // The interface between the CPU orchestration (norm_kernel.cpp: threads, chunks, dtype resolution) and the
 // row kernels compiled once per instruction set (rows_portable.cpp, rows_avx2.cpp, rows_avx512.cpp, all from
-// rows_impl.h). Plain C++ only: the ISA translation units include no torch header, so no inline function
-// compiled for AVX-512 can leak into code that runs on a CPU without it.
+// rows_impl.h). Plain C++ only: the ISA translation units include no torch header, and they define no symbol
+// but their entry that another object could also define (rows_impl.h, Isolation), so the linker cannot give
+// code that runs on a CPU without AVX-512 a copy compiled for it.
 #pragma once
 
 #include <cstdint>
@@ -39,7 +40,8 @@ using ForwardRowsFn = void (*)(const ForwardRows& a, int64_t begin, int64_t end)
 // double when backward_computes_in_float says no (float64 data; rows of a few vectors, whose gradient
 // cancels too much for float: for N = 1 it is proportional to 1 - xhat^2).
 constexpr int64_t kFloatBackwardMinCols = 64;
-constexpr bool backward_computes_in_float(bool saved_is_double, bool grad_is_double, int64_t cols) {
+// static: each object calls its own copy, never a weak symbol shared with the instruction-set objects.
+static constexpr bool backward_computes_in_float(bool saved_is_double, bool grad_is_double, int64_t cols) {
   return !saved_is_double && !grad_is_double && cols >= kFloatBackwardMinCols;
 }
 

@@ -5,8 +5,16 @@
 //   LNX_FLOAT_LANES  floats per vector: 4 (SSE2 baseline) | 8 | 16
 //   LNX_F16C         1 where vcvtph2ps / vcvtps2ph may be used
 //   LNX_ENTRY        name of the function returning this copy's RowKernels
-// Vectors are GCC vector extensions of LNX_FLOAT_LANES * 4 bytes, so the target pragma of the including file
-// picks the instructions; the bfloat16/float16 conversions use intrinsics (x86-64 only: SSE2 at least).
+//   LNX_TARGET       (optional) the GCC target string of the instruction set, e.g. "avx2,fma,f16c"
+// Vectors are GCC vector extensions of LNX_FLOAT_LANES * 4 bytes, so LNX_TARGET picks the instructions; the
+// bfloat16/float16 conversions use intrinsics (x86-64 only: SSE2 at least).
+//
+// Isolation: LNX_TARGET applies only to the kernels below, not to the headers included first, and every
+// kernel has internal linkage (the unnamed namespace); the one external symbol, LNX_ENTRY, is compiled for
+// the baseline. An inline function or std:: template the kernels used would otherwise be emitted (at -O0:
+// not inlined) as a weak symbol that other objects define too, and the linker keeps one copy for every
+// caller: if the AVX-512 one, an illegal instruction on CPUs without it. Hence Array and Pair below, not
+// std::array / std::pair / std::tie. tests/test_cpu_isa.py checks the objects' symbols.
 //
 // Mapping: the caller hands each thread a range of rows (or, for a few very long rows, column ranges of one
 // row); a row is handled by one thread, front to back, in vectors of the compute type (float; double for
@@ -20,21 +28,39 @@
 // dweight / dbias terms summed in registers before one read-modify-write of the partial sums).
 // Registers hold two vector accumulators per sum; float sums are flushed into double vectors every
 // kFlushVectors vectors and the lanes added at the end of the row.
-#include <array>
 #include <cstdint>
 #include <cstring>
-#include <tuple>
+#include <tuple>  // std::tuple_element_t only (a type)
 #include <type_traits>
-#include <utility>
+#include <utility>  // std::index_sequence only (a type)
 
 #include <immintrin.h>
 
 #include "row_kernels.h"
 
+#ifdef LNX_TARGET
+#define LNX_PRAGMA_TEXT(text) _Pragma(#text)
+#define LNX_PRAGMA(text) LNX_PRAGMA_TEXT(text)  // expands LNX_TARGET, which #pragma GCC target would not
+LNX_PRAGMA(GCC push_options)
+LNX_PRAGMA(GCC target(LNX_TARGET))
+#endif
+
 namespace layernorm_ext {
 namespace cpu {
 namespace LNX_ISA_NS {
 namespace {
+
+// std::array / std::pair stand-ins whose member functions have internal linkage (see Isolation above).
+template <class T, int64_t N>
+struct Array {
+  T items[N];
+  constexpr T& operator[](int64_t i) { return items[i]; }
+  constexpr const T& operator[](int64_t i) const { return items[i]; }
+};
+template <class T>
+struct Pair {
+  T first, second;
+};
 
 struct bf16 {
   uint16_t bits;
@@ -353,47 +379,47 @@ inline Vec<double> widen(Vec<C> v) {
   }
 }
 
-// K sums over a row of n elements of the vector terms term(j, count) -> std::array<Vec<C>, K>: two
+// K sums over a row of n elements of the vector terms term(j, count) -> Array<Vec<C>, K>: two
 // accumulators per sum, flushed into double vectors every kFlushVectors vectors; the tail's padding lanes
 // are masked off.
 template <class C, int K, class Term>
-inline std::array<double, K> row_sums_k(int64_t n, Term term) {
+inline Array<double, K> row_sums_k(int64_t n, Term term) {
   constexpr int64_t L = kLanes<C>;
   const int64_t full = n - n % L;
-  std::array<Vec<double>, K> total = {};
+  Array<Vec<double>, K> total = {};
   for (int64_t start = 0; start < full; start += kFlushVectors * L) {
     const int64_t stop = min64(full, start + kFlushVectors * L);
-    std::array<Vec<C>, K> acc0 = {}, acc1 = {};
+    Array<Vec<C>, K> acc0 = {}, acc1 = {};
     int64_t j = start;
     for (; j + 2 * L <= stop; j += 2 * L) {
-      const std::array<Vec<C>, K> t0 = term(j, L);
-      const std::array<Vec<C>, K> t1 = term(j + L, L);
+      const Array<Vec<C>, K> t0 = term(j, L);
+      const Array<Vec<C>, K> t1 = term(j + L, L);
       for (int k = 0; k < K; ++k) {
         acc0[k] += t0[k];
         acc1[k] += t1[k];
       }
     }
     if (j < stop) {
-      const std::array<Vec<C>, K> t0 = term(j, L);
+      const Array<Vec<C>, K> t0 = term(j, L);
       for (int k = 0; k < K; ++k) acc0[k] += t0[k];
     }
     for (int k = 0; k < K; ++k) total[k] += widen<C>(acc0[k] + acc1[k]);
   }
   if (full < n) {
-    const std::array<Vec<C>, K> t = term(full, n - full);
+    const Array<Vec<C>, K> t = term(full, n - full);
     for (int k = 0; k < K; ++k) total[k] += widen<C>(keep_first<C>(t[k], n - full));
   }
-  std::array<double, K> out;
+  Array<double, K> out;
   for (int k = 0; k < K; ++k) out[k] = horizontal_sum(total[k]);
   return out;
 }
 
 // Two sums: term(j, count) -> {Vec<C>, Vec<C>}.
 template <class C, class Term>
-inline std::pair<double, double> row_sums(int64_t n, Term term) {
+inline Pair<double> row_sums(int64_t n, Term term) {
   const auto sums = row_sums_k<C, 2>(n, [&](int64_t j, int64_t count) {
     const auto t = term(j, count);
-    return std::array<Vec<C>, 2>{t.first, t.second};
+    return Array<Vec<C>, 2>{t.first, t.second};
   });
   return {sums[0], sums[1]};
 }
@@ -403,19 +429,19 @@ using ComputeOf = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 // {sum(x - center), sum((x - center)^2)} over x[0, n), in the compute type Q.
 template <class Q, class S>
-inline std::pair<double, double> centered_sums_in(const S* x, int64_t n, Q center) {
+inline Pair<double> centered_sums_in(const S* x, int64_t n, Q center) {
   const Vec<Q> center_v = broadcast<Q>(center);
   return row_sums<Q>(n, [&](int64_t j, int64_t count) {
     const Vec<Q> d = load_at<Q>(x, j, count) - center_v;
-    return std::make_pair(d, d * d);
+    return Pair<Vec<Q>>{d, d * d};
   });
 }
 
 // The same in S's compute type; where float squares overflowed (|x - center| beyond ~1.8e19, where ATen's
 // float statistics give 0 or NaN) or the row holds an infinity, again in double: a second pass only there.
 template <class S>
-inline std::pair<double, double> centered_sums(const S* x, int64_t n, ComputeOf<S> center) {
-  std::pair<double, double> sums = centered_sums_in(x, n, center);
+inline Pair<double> centered_sums(const S* x, int64_t n, ComputeOf<S> center) {
+  Pair<double> sums = centered_sums_in(x, n, center);
   if (__builtin_isinf(sums.second)) sums = centered_sums_in(x, n, static_cast<double>(center));
   return sums;
 }
@@ -507,7 +533,7 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
         using Q = decltype(compute_tag);
         return row_sums<Q>(n, [&](int64_t j, int64_t count) {
                  const Vec<Q> x = load_at<Q>(src, j, count);
-                 return std::make_pair(x * x, Vec<Q>{});
+                 return Pair<Vec<Q>>{x * x, Vec<Q>{}};
                }).first / static_cast<double>(n);
       };
       // Rows of a few vectors square in double: rstd is then rounded once, and the backward of tiny rows
@@ -526,11 +552,12 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
       auto centered_stats = [&](C center) {
         const auto [dev, sq] = centered_sums(src, n, center);
         const double dev_mean = dev / static_cast<double>(n);
-        return std::make_pair(static_cast<double>(center) + dev_mean, sq / static_cast<double>(n) - dev_mean * dev_mean);
+        return Pair<double>{static_cast<double>(center) + dev_mean, sq / static_cast<double>(n) - dev_mean * dev_mean};
       };
-      auto [mean, var] = centered_stats(shift);
-      const double offset_sq = (mean - static_cast<double>(shift)) * (mean - static_cast<double>(shift));
-      if (offset_sq > kMaxShiftSq * var) std::tie(mean, var) = centered_stats(static_cast<C>(mean));
+      Pair<double> stats = centered_stats(shift);
+      const double offset = stats.first - static_cast<double>(shift);
+      if (offset * offset > kMaxShiftSq * stats.second) stats = centered_stats(static_cast<C>(stats.first));
+      const auto [mean, var] = stats;
       mean_hi = static_cast<C>(mean);
       mean_lo = static_cast<C>(mean - static_cast<double>(mean_hi));
       var_or_ms = var;
@@ -604,12 +631,12 @@ struct BackwardRow {
   }
 
   // {sum of g, sum of g * d, sum of d} over [c0, c1).
-  std::array<double, 3> sums(int64_t c0, int64_t c1) const {
+  Array<double, 3> sums(int64_t c0, int64_t c1) const {
     const Vec<C> center_v = broadcast<C>(static_cast<C>(center));
     return row_sums_k<C, 3>(c1 - c0, [&](int64_t j, int64_t count) {
       const Vec<C> g = g_at(load_at<C>(dy, c0 + j, count), c0 + j, count);
       const Vec<C> d = centered_at(c0 + j, count, center_v);
-      return std::array<Vec<C>, 3>{g, g * d, d};
+      return Array<Vec<C>, 3>{g, g * d, d};
     });
   }
 
@@ -640,7 +667,7 @@ struct BackwardCoefficients {
   double delta, mean_g, mean_gx;
 };
 
-inline BackwardCoefficients backward_coefficients(const BackwardRows& a, double rstd, const std::array<double, 3>& s) {
+inline BackwardCoefficients backward_coefficients(const BackwardRows& a, double rstd, const Array<double, 3>& s) {
   const double inv_n = 1.0 / static_cast<double>(a.cols);
   const double delta = (a.rms || a.saved_is_output) ? 0.0 : s[2] * inv_n;
   // sum(g * xhat) = rstd * (sum(g * d) - delta * sum(g)); in memory-efficient mode d is xhat itself.
@@ -809,7 +836,7 @@ void apply_group(const BackwardRows& a, int64_t first, int64_t count, const C* w
 // into double vectors every kFlushVectors vectors.
 template <int R, bool kWeight, bool kSavedOut, class S, class G, class C>
 void rows_sums(int64_t n, const C* weight, const C* bias, const S* const* saved, const G* const* dy,
-               const C* center, std::array<double, 3>* out) {
+               const C* center, Array<double, 3>* out) {
   constexpr int64_t L = kLanes<C>;
   const int64_t full = n - n % L;
   Vec<double> total[R][3] = {};
@@ -864,7 +891,7 @@ void rows_sums(int64_t n, const C* weight, const C* bias, const S* const* saved,
 // The sums of rows [first, first + count), two rows at a time.
 template <class S, class G, class C>
 void group_sums(const BackwardRows& a, int64_t first, int64_t count, const C* weight, const C* bias,
-                std::array<double, 3>* out) {
+                Array<double, 3>* out) {
   const S* saved[kRowGroup];
   const G* dy[kRowGroup];
   C center[kRowGroup];
@@ -906,7 +933,7 @@ void backward_rows_as(const BackwardRows& a, int64_t begin, int64_t end, C* dwei
   for (int64_t first = begin; first < end; first += group) {
     const int64_t count = min64(group, end - first);
     BackwardCoefficients coefficients[kRowGroup];
-    std::array<double, 3> sums[kRowGroup];
+    Array<double, 3> sums[kRowGroup];
     group_sums<S, G, C>(a, first, count, weight, bias, sums);
     for (int64_t i = 0; i < count; ++i) {
       coefficients[i] = backward_coefficients(a, BackwardRow<S, G, C>::stat(a.rstd, a.stats_double, first + i), sums[i]);
@@ -956,7 +983,7 @@ template <class S, class G>
 void backward_segment_sums(const BackwardRows& a, int64_t row, int64_t c0, int64_t c1, double* out) {
   auto run = [&](auto compute_tag) {
     using C = decltype(compute_tag);
-    const std::array<double, 3> s =
+    const Array<double, 3> s =
         BackwardRow<S, G, C>(a, row, param_as<C>(a, false), param_as<C>(a, true)).sums(c0, c1);
     for (int k = 0; k < 3; ++k) out[k] = s[k];
   };
@@ -998,12 +1025,12 @@ constexpr AddRowFn add_entry() {
 
 template <size_t... I>
 constexpr auto make_add_table(std::index_sequence<I...>) {
-  return std::array<AddRowFn, sizeof...(I)>{add_entry<I / 16, (I / 4) % 4, I % 4>()...};
+  return Array<AddRowFn, sizeof...(I)>{add_entry<I / 16, (I / 4) % 4, I % 4>()...};
 }
 
 template <template <int, int> class Entry, size_t... I>
 constexpr auto make_pair_table(std::index_sequence<I...>) {
-  return std::array<decltype(Entry<0, 0>::value), sizeof...(I)>{Entry<I / 4, I % 4>::value...};
+  return Array<decltype(Entry<0, 0>::value), sizeof...(I)>{Entry<I / 4, I % 4>::value...};
 }
 
 // (S, Y) pairs: float64 output only from float64 rows.
@@ -1054,8 +1081,8 @@ constexpr auto kNormalizeTable = make_pair_table<NormalizeEntry>(std::make_index
 constexpr auto kBackwardTable = make_pair_table<BackwardEntry>(std::make_index_sequence<16>{});
 constexpr auto kBackwardSumsTable = make_pair_table<BackwardSumsEntry>(std::make_index_sequence<16>{});
 constexpr auto kBackwardApplyTable = make_pair_table<BackwardApplyEntry>(std::make_index_sequence<16>{});
-constexpr std::array<SegmentSumsFn, 4> kSegmentSumsTable{&segment_sums<float>, &segment_sums<double>,
-                                                         &segment_sums<bf16>, &segment_sums<f16>};
+constexpr Array<SegmentSumsFn, 4> kSegmentSumsTable{&segment_sums<float>, &segment_sums<double>,
+                                                     &segment_sums<bf16>, &segment_sums<f16>};
 
 int pair_index(Dtype a, Dtype b) { return static_cast<int>(a) * 4 + static_cast<int>(b); }
 
@@ -1075,6 +1102,10 @@ BackwardSegmentApplyFn lookup_backward_segment_apply(Dtype saved, Dtype grad_out
 
 }  // namespace
 }  // namespace LNX_ISA_NS
+
+#ifdef LNX_TARGET
+LNX_PRAGMA(GCC pop_options)  // the entry only stores the kernels' addresses: baseline code
+#endif
 
 const RowKernels& LNX_ENTRY() {
   static const RowKernels kernels{LNX_ISA_NAME,
