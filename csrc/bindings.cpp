@@ -34,6 +34,23 @@ TORCH_LIBRARY(layernorm_ext, m) {
       "rms_norm_bwd(Tensor grad_out, Tensor saved, Tensor rstd, SymInt[] normalized_shape, Tensor? weight, "
       "bool saved_is_output=False, Tensor? grad_residual_out=None) "
       "-> (Tensor grad_input, Tensor grad_weight)");
+  // The functional API (layernorm_ext/functional.py): each the forward op above, returning only what the user
+  // gets, which spares an eager call the statistics' Python objects (CompositeImplicitAutograd, in
+  // norm_autograd.cpp: autograd, fake tensors, DTensor and autocast all act on the forward op).
+  m.def(
+      "layer_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, Tensor? bias=None, "
+      "float eps=1e-05, bool memory_efficient=False) -> Tensor");
+  m.def(
+      "rms_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None, "
+      "bool memory_efficient=False) -> Tensor");
+  m.def(
+      "add_layer_norm(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight=None, "
+      "Tensor? bias=None, float eps=1e-05, bool residual_in_fp32=False, bool memory_efficient=False) "
+      "-> (Tensor out, Tensor residual_out)");
+  m.def(
+      "add_rms_norm(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight=None, "
+      "float? eps=None, bool residual_in_fp32=False, bool memory_efficient=False) "
+      "-> (Tensor out, Tensor residual_out)");
 }
 
 namespace {
@@ -146,6 +163,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("cpu_scratch_bytes", &layernorm_ext::cpu::scratch_bytes,
              "Bytes of per-thread scratch the CPU kernels keep between calls, over all threads (at most 4 MiB per "
              "buffer: a wider call frees what it grew when it ends)");
+  module.def("can_save_output", &layernorm_ext::can_save_output, pybind11::arg("input"), pybind11::arg("weight"),
+             pybind11::arg("bias"), pybind11::arg("memory_efficient"), pybind11::arg("has_residual"),
+             "Whether a forward with these arguments saves its output for backward instead of its input (the "
+             "autograd's choice; for the CUDA emulation tests)");
   module.def("set_cpu_isa", &layernorm_ext::cpu::set_isa, pybind11::arg("isa"),
              "Use the CPU kernels of another instruction set (scalar, avx2, avx512) from now on; returns the "
              "previous one. For tests and benchmarks; LAYERNORM_EXT_CPU_ISA chooses it at load time.");

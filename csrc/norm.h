@@ -62,6 +62,12 @@ std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& grad_out, const Tensor& sa
                                         bool saved_is_output, const OptTensor& grad_residual_out,
                                         BackwardLauncher launch);
 
+// ---- autograd (norm_autograd.cpp) ----
+// Whether a forward saves its output for backward instead of its input (memory_efficient, where the backward
+// can recover xhat from the output exactly enough); reads the parameters' values (a sync on CUDA).
+bool can_save_output(const Tensor& input, const OptTensor& weight, const OptTensor& bias, bool memory_efficient,
+                     bool has_residual);
+
 // ---- device kernels ----
 namespace cpu {
 void forward(const NormForwardParams& p);
@@ -78,6 +84,7 @@ namespace cuda {
 // synchronizes.
 void forward(const NormForwardParams& p);
 void backward(const NormBackwardParams& p);
+bool current_stream_is_capturing();  // whether the current device's current stream is capturing a CUDA graph
 }  // namespace cuda
 #endif
 

@@ -170,17 +170,6 @@ def sequence_parallel(sequence_dim: int = 1, use_local_output: bool = False) -> 
     return _EveryInput(sequence_dim=sequence_dim, use_local_output=use_local_output)
 
 
-def is_dtensor(t: object) -> bool:
-    """isinstance(t, DTensor), without importing torch.distributed.tensor where nothing has."""
-    module = sys.modules.get(_DTENSOR_MODULE)
-    return module is not None and isinstance(t, module.DTensor)
-
-
-def full_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A DTensor's whole value as a plain tensor (a collective unless it is replicated); t itself otherwise."""
-    return t.full_tensor() if is_dtensor(t) else t
-
-
 class _RegisterAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds torch.distributed.tensor as the other finders do, and registers the strategies once it is loaded."""
 

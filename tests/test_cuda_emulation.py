@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
 
-from layernorm_ext import ops as ops_module
+from layernorm_ext import native
 from test_functional import Inputs, Spec, _spec, run_case
 
 pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight:UserWarning")
@@ -67,28 +67,52 @@ def emulated() -> ModuleType:
 
 
 def _autograd_function(module: ModuleType, rms: bool) -> type[torch.autograd.Function]:
-    """The emulated forward behind the package's own autograd formula (layernorm_ext.ops), whose backward
-    calls the emulated backward op."""
-    backward_ops = SimpleNamespace(layer_norm_bwd=module.layer_norm_bwd, rms_norm_bwd=module.rms_norm_bwd)
+    """The emulated kernels behind the library's autograd decisions (csrc/norm_autograd.cpp: what the forward
+    saves, native.can_save_output; the backward op on the saved tensor, its gradient cast to each input's
+    dtype)."""
 
     class Emulated(torch.autograd.Function):
         @staticmethod
         def forward(*args: Any) -> tuple[Tensor, ...]:
             fwd = module.rms_norm_fwd if rms else module.layer_norm_fwd
-            return tuple(fwd(*args[:-1]))  # all but memory_efficient, which only the autograd formula reads
+            return tuple(fwd(*args[:-1]))  # all but memory_efficient, which only the autograd reads
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-            ops_module._setup_context(ctx, inputs, output, rms=rms)
+            if rms:
+                input, shape, weight, _, residual, _, memory_efficient = inputs
+                bias, mean, (out, residual_out, rstd) = None, None, output
+            else:
+                input, shape, weight, bias, _, residual, _, memory_efficient = inputs
+                out, residual_out, mean, rstd = output
+            has_residual = residual is not None
+            ctx.saved_is_output = native.can_save_output(input, weight, bias, memory_efficient, has_residual)
+            saved = out if ctx.saved_is_output else (residual_out if has_residual else input)
+            ctx.save_for_backward(saved, mean, rstd, weight, bias)
+            ctx.shape, ctx.dtypes = list(shape), (input.dtype, residual.dtype if has_residual else None)
+            ctx.set_materialize_grads(False)
 
         @staticmethod
         def backward(ctx: Any, grad_out: Tensor | None, grad_residual_out: Tensor | None, *_: Any) -> Any:
-            real_ops = ops_module._ops
-            ops_module._ops = backward_ops
-            try:
-                return ops_module._backward(ctx, grad_out, grad_residual_out, rms=rms)
-            finally:
-                ops_module._ops = real_ops
+            saved, mean, rstd, weight, bias = ctx.saved_tensors
+            input_dtype, residual_dtype = ctx.dtypes
+            if grad_out is None:
+                grad_out = torch.zeros_like(saved, dtype=input_dtype)
+            grad_residual_out = grad_residual_out if residual_dtype is not None else None
+            if rms:
+                grad_h, grad_weight = module.rms_norm_bwd(
+                    grad_out, saved, rstd, ctx.shape, weight, ctx.saved_is_output, grad_residual_out
+                )
+                grad_bias = None
+            else:
+                grad_h, grad_weight, grad_bias = module.layer_norm_bwd(
+                    grad_out, saved, mean, rstd, ctx.shape, weight, bias, ctx.saved_is_output, grad_residual_out
+                )
+            grads = [grad_h.to(input_dtype), None, grad_weight if weight is not None else None]
+            if not rms:
+                grads.append(grad_bias if bias is not None else None)
+            grads += [None, grad_h.to(residual_dtype) if residual_dtype is not None else None, None, None]
+            return tuple(grads)
 
     return Emulated
 

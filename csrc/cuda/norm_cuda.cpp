@@ -2,6 +2,7 @@
 // CUDA kernels (norm_kernels.cuh, instantiated per input dtype in launch_*.cu). The op bodies check every
 // argument first; only then does a launcher below take a device guard for the tensors' device and launch on
 // that device's current stream.
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "../device_ops.h"
@@ -38,6 +39,10 @@ void backward(const NormBackwardParams& p) {
     case ScalarType::BFloat16: return backward_bf16(p);
     default: TORCH_INTERNAL_ASSERT(false, "layernorm_ext: unchecked grad_out dtype ", p.out_type);
   }
+}
+
+bool current_stream_is_capturing() {
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 }
 
 }  // namespace cuda

@@ -1,0 +1,427 @@
+// Autograd of every op, in C++ on the Autograd dispatch key, so that a Python call is one dispatcher call; and
+// the functional API's ops, compositions of the forward ops (CompositeImplicitAutograd).
+//
+// Forward ops (NormFunction): run the device kernel below autograd, save what the backward op reads (the
+// input, h with a residual, or the output in memory-efficient mode; mean, rstd, weight, bias) and record one
+// node whose backward calls the backward op. The statistics and the empty placeholder of residual_out are
+// not differentiable.
+//
+// Backward ops (differentiable_backward): without a gradient to form (the usual first-order backward) they
+// just run the kernel. When their result must itself be differentiated (create_graph=True, or a traced joint
+// graph), the values still come from the kernel, and the derivatives from the same formula written in ATen
+// ops: result = kernel + (formula - formula.detach()). The formula recomputes the mean and the mean square
+// from the saved rows, so that second derivatives see the statistics move with the input, while its values
+// are pinned to the stored mean and rstd (eps never appears: rstd = rsqrt(1/rstd^2 + (var - var.detach()))).
+// From a saved output (memory_efficient) the statistics' dependence on the input is not rebuilt (the forward
+// marks mean and rstd non-differentiable, so no graph path leads from them to the input): such a backward
+// refuses to form second derivatives.
+#include <ATen/FunctionalTensorWrapper.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+
+#include "norm.h"
+
+namespace layernorm_ext {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// ---- which tensor the backward reads ------------------------------------------------------------------------
+
+// Tensors whose values cannot be read here: fake tensors of torch.compile / export, functional wrappers of a
+// traced graph, DTensors and other Python subclasses, meta tensors, or any tensor while a Python dispatch mode
+// (FakeTensorMode, a tracer) is active.
+bool values_unreadable(const Tensor& t) {
+  return t.is_meta() || t.unsafeGetTensorImpl()->is_python_dispatch() ||
+         at::functionalization::impl::isFunctionalTensor(t) || c10::impl::TorchDispatchModeTLS::stack_len() > 0;
+}
+
+// memory_efficient recovers xhat = (out - bias) / weight from the rounded output: the absolute error of xhat
+// is about eps(out dtype) * (|xhat| + |bias / weight|). Columns where |bias| > this many |weight| would lose
+// accuracy (weight == 0 loses xhat altogether), so such a weight makes the forward save the input instead.
+constexpr double kMaxBiasOverWeight = 4.0;
+
+// Whether the backward may recover xhat from the output instead of reading the saved input. Not with a
+// residual (h is an output already: saving it costs no more than saving out); not when the output is coarser
+// than the parameters (half input, float32 weight); not when a weight entry is 0, much smaller than its bias,
+// or either is not finite; not when the values cannot be read (tracing, DTensor) nor during CUDA graph
+// capture, when reading them (a wait for the GPU) is forbidden. In all these cases the input is saved, so the
+// gradients stay exact. Otherwise the check reads the parameters: on CUDA one host synchronization per call.
+}  // namespace
+
+bool can_save_output(const Tensor& input, const OptTensor& weight, const OptTensor& bias, bool memory_efficient,
+                     bool has_residual) {
+  if (!memory_efficient || has_residual) return false;
+  if (!weight.has_value() && !bias.has_value()) return true;
+  for (const OptTensor& t : {weight, bias}) {
+    if (t.has_value() && (t->scalar_type() != input.scalar_type() || values_unreadable(*t))) return false;
+  }
+#ifdef LAYERNORM_EXT_WITH_CUDA
+  if (input.is_cuda() && cuda::current_stream_is_capturing()) return false;
+#endif
+  // Written as what is safe, so that NaN (every comparison false) and infinite entries are unsafe too: the
+  // output of such a column holds no xhat to recover, while the weight's gradient needs it.
+  const Tensor magnitude = weight.has_value() ? weight->abs() : at::ones_like(*bias);
+  Tensor safe = magnitude.gt(0).logical_and_(magnitude.lt(std::numeric_limits<double>::infinity()));
+  if (bias.has_value()) safe.logical_and_(bias->abs().le(magnitude * kMaxBiasOverWeight));
+  return safe.all().item<bool>();
+}
+
+namespace {
+
+// ---- the forward ops ----------------------------------------------------------------------------------------
+
+const c10::TypedOperatorHandle<std::tuple<Tensor, Tensor, Tensor, Tensor>(
+    const Tensor&, c10::SymIntArrayRef, const OptTensor&, const OptTensor&, double, const OptTensor&, bool, bool)>&
+layer_norm_fwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("layernorm_ext::layer_norm_fwd", "")
+                             .typed<std::tuple<Tensor, Tensor, Tensor, Tensor>(
+                                 const Tensor&, c10::SymIntArrayRef, const OptTensor&, const OptTensor&, double,
+                                 const OptTensor&, bool, bool)>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<std::tuple<Tensor, Tensor, Tensor>(
+    const Tensor&, c10::SymIntArrayRef, const OptTensor&, std::optional<double>, const OptTensor&, bool, bool)>&
+rms_norm_fwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("layernorm_ext::rms_norm_fwd", "")
+                             .typed<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, c10::SymIntArrayRef,
+                                                                       const OptTensor&, std::optional<double>,
+                                                                       const OptTensor&, bool, bool)>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<std::tuple<Tensor, Tensor, Tensor>(
+    const Tensor&, const Tensor&, const Tensor&, const Tensor&, c10::SymIntArrayRef, const OptTensor&,
+    const OptTensor&, bool, const OptTensor&)>&
+layer_norm_bwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("layernorm_ext::layer_norm_bwd", "")
+                             .typed<std::tuple<Tensor, Tensor, Tensor>(
+                                 const Tensor&, const Tensor&, const Tensor&, const Tensor&, c10::SymIntArrayRef,
+                                 const OptTensor&, const OptTensor&, bool, const OptTensor&)>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                          c10::SymIntArrayRef, const OptTensor&, bool,
+                                                          const OptTensor&)>&
+rms_norm_bwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("layernorm_ext::rms_norm_bwd", "")
+                             .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                               c10::SymIntArrayRef, const OptTensor&, bool,
+                                                               const OptTensor&)>();
+  return op;
+}
+
+// The normalized_shape of a backward: the last `dims` sizes of the saved rows (symbolic while tracing).
+c10::SymIntArrayRef trailing_sizes(const Tensor& t, int64_t dims) {
+  const c10::SymIntArrayRef sizes = t.sym_sizes();
+  return sizes.slice(sizes.size() - static_cast<size_t>(dims));
+}
+
+// What a node's backward needs besides its saved tensors, packed into the one int64 of ctx->saved_data that it
+// takes (each entry of that map costs an allocation per call).
+struct NodeState {
+  bool rms = false, has_residual = false, saved_is_output = false;
+  at::ScalarType input_dtype = at::kFloat, residual_dtype = at::kFloat, out_dtype = at::kFloat;
+  int64_t dims = 0;  // len(normalized_shape)
+
+  int64_t pack() const {
+    return static_cast<int64_t>(rms) | static_cast<int64_t>(has_residual) << 1 |
+           static_cast<int64_t>(saved_is_output) << 2 | static_cast<int64_t>(input_dtype) << 8 |
+           static_cast<int64_t>(residual_dtype) << 16 | static_cast<int64_t>(out_dtype) << 24 | dims << 32;
+  }
+  static NodeState unpack(int64_t bits) {
+    NodeState s;
+    s.rms = bits & 1;
+    s.has_residual = bits >> 1 & 1;
+    s.saved_is_output = bits >> 2 & 1;
+    s.input_dtype = static_cast<at::ScalarType>(bits >> 8 & 0xff);
+    s.residual_dtype = static_cast<at::ScalarType>(bits >> 16 & 0xff);
+    s.out_dtype = static_cast<at::ScalarType>(bits >> 24 & 0xff);
+    s.dims = bits >> 32;
+    return s;
+  }
+};
+constexpr const char* kState = "state";
+
+// LayerNorm and RMSNorm (rms), with or without a residual: forward args are those of the op's schema, in
+// order (bias and a float eps only for LayerNorm, an optional eps for RMSNorm).
+struct NormFunction : public torch::autograd::Function<NormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& input, c10::SymIntArrayRef normalized_shape,
+                               const OptTensor& weight, const OptTensor& bias, std::optional<double> eps,
+                               const OptTensor& residual, bool residual_in_fp32, bool memory_efficient, bool rms) {
+    Tensor out, residual_out, mean, rstd;
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      if (rms) {
+        std::tie(out, residual_out, rstd) = rms_norm_fwd_op().call(input, normalized_shape, weight, eps, residual,
+                                                                   residual_in_fp32, memory_efficient);
+      } else {
+        std::tie(out, residual_out, mean, rstd) = layer_norm_fwd_op().call(
+            input, normalized_shape, weight, bias, *eps, residual, residual_in_fp32, memory_efficient);
+      }
+    }
+    const bool has_residual = residual.has_value();
+    const bool saved_is_output = can_save_output(input, weight, bias, memory_efficient, has_residual);
+    const Tensor& saved = saved_is_output ? out : (has_residual ? residual_out : input);
+    ctx->save_for_backward({saved, mean, rstd, weight.value_or(Tensor()), bias.value_or(Tensor())});
+    NodeState state;
+    state.rms = rms;
+    state.has_residual = has_residual;
+    state.saved_is_output = saved_is_output;
+    state.input_dtype = input.scalar_type();
+    state.residual_dtype = has_residual ? residual->scalar_type() : input.scalar_type();
+    state.out_dtype = out.scalar_type();
+    state.dims = static_cast<int64_t>(normalized_shape.size());
+    ctx->saved_data[kState] = state.pack();
+    // An unused output's gradient comes undefined, not as zeros autograd would make (plain tensors even for
+    // DTensor outputs): backward makes only the one the kernel needs.
+    ctx->set_materialize_grads(false);
+    variable_list not_differentiable = rms ? variable_list{rstd} : variable_list{mean, rstd};
+    if (!has_residual) not_differentiable.push_back(residual_out);
+    ctx->mark_non_differentiable(not_differentiable);  // one call: each call replaces the previous set
+    return rms ? variable_list{out, residual_out, rstd} : variable_list{out, residual_out, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved_tensors = ctx->get_saved_variables();
+    const Tensor& saved = saved_tensors[0];
+    const OptTensor weight = saved_tensors[3].defined() ? OptTensor(saved_tensors[3]) : std::nullopt;
+    const OptTensor bias = saved_tensors[4].defined() ? OptTensor(saved_tensors[4]) : std::nullopt;
+    const NodeState state = NodeState::unpack(ctx->saved_data[kState].toInt());
+    const bool rms = state.rms;
+    const bool has_residual = state.has_residual;
+    const bool saved_is_output = state.saved_is_output;
+    const c10::SymIntArrayRef normalized_shape = trailing_sizes(saved, state.dims);
+    Tensor grad_out = grads[0];
+    if (!grad_out.defined()) {  // only residual_out was used
+      grad_out = saved.new_zeros_symint(saved.sym_sizes(),
+                                        saved.options().dtype(state.out_dtype));
+    }
+    const OptTensor grad_residual_out = has_residual && grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
+    Tensor grad_h, grad_weight, grad_bias;
+    if (rms) {
+      std::tie(grad_h, grad_weight) = rms_norm_bwd_op().call(grad_out, saved, saved_tensors[2], normalized_shape,
+                                                             weight, saved_is_output, grad_residual_out);
+    } else {
+      std::tie(grad_h, grad_weight, grad_bias) =
+          layer_norm_bwd_op().call(grad_out, saved, saved_tensors[1], saved_tensors[2], normalized_shape, weight,
+                                   bias, saved_is_output, grad_residual_out);
+    }
+    const Tensor grad_input = grad_h.to(state.input_dtype);
+    const Tensor grad_residual =
+        has_residual ? grad_h.to(state.residual_dtype) : Tensor();
+    // input, normalized_shape, weight, bias, eps, residual, residual_in_fp32, memory_efficient, rms
+    return {grad_input, Tensor(), weight.has_value() ? grad_weight : Tensor(),
+            bias.has_value() ? grad_bias : Tensor(), Tensor(), grad_residual, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+bool requires_grad(const OptTensor& t) { return t.has_value() && t->requires_grad(); }
+
+// Whether a forward records a node: grad mode on and some differentiable input requiring grad. Otherwise
+// (no_grad, parameters frozen) the kernel runs directly, with none of the node's cost.
+bool records_graph(const Tensor& input, const OptTensor& weight, const OptTensor& bias, const OptTensor& residual) {
+  return c10::GradMode::is_enabled() &&
+         (input.requires_grad() || requires_grad(weight) || requires_grad(bias) || requires_grad(residual));
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_autograd(const Tensor& input,
+                                                               c10::SymIntArrayRef normalized_shape,
+                                                               const OptTensor& weight, const OptTensor& bias,
+                                                               double eps, const OptTensor& residual,
+                                                               bool residual_in_fp32, bool memory_efficient) {
+  if (!records_graph(input, weight, bias, residual)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return layer_norm_fwd_op().call(input, normalized_shape, weight, bias, eps, residual, residual_in_fp32,
+                                    memory_efficient);
+  }
+  const variable_list r = NormFunction::apply(input, normalized_shape, weight, bias, std::optional<double>(eps),
+                                              residual, residual_in_fp32, memory_efficient, /*rms=*/false);
+  return {r[0], r[1], r[2], r[3]};
+}
+
+std::tuple<Tensor, Tensor, Tensor> rms_norm_autograd(const Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                                     const OptTensor& weight, std::optional<double> eps,
+                                                     const OptTensor& residual, bool residual_in_fp32,
+                                                     bool memory_efficient) {
+  if (!records_graph(input, weight, std::nullopt, residual)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return rms_norm_fwd_op().call(input, normalized_shape, weight, eps, residual, residual_in_fp32, memory_efficient);
+  }
+  const variable_list r = NormFunction::apply(input, normalized_shape, weight, OptTensor(), eps, residual,
+                                              residual_in_fp32, memory_efficient, /*rms=*/true);
+  return {r[0], r[1], r[2]};
+}
+
+// ---- the backward ops ---------------------------------------------------------------------------------------
+
+struct FormulaGrads {
+  Tensor grad_input, grad_weight, grad_bias;
+};
+
+// The backward written in differentiable ATen ops, in float64 whatever the data: only second and higher
+// derivatives are taken from it (computed in float32 they fell short of ATen's accuracy), and only when a graph
+// of the backward is recorded, so first-order training never pays for it:
+// with g = grad_out * weight, LayerNorm's dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), RMSNorm's
+// dx = rstd * (g - xhat * mean(g * xhat)), plus grad_residual_out; dweight = sum over rows of grad_out * xhat,
+// dbias = sum of grad_out.
+FormulaGrads backward_formula(const Tensor& grad_out, const Tensor& saved, const OptTensor& mean, const Tensor& rstd,
+                              int64_t dims, const OptTensor& weight, const OptTensor& bias,
+                              const OptTensor& grad_residual_out, bool rms) {
+  const at::ScalarType acc = at::kDouble;
+  const int64_t axis = saved.dim() - dims;
+  std::vector<int64_t> row_dims, leading_dims;
+  for (int64_t d = axis; d < saved.dim(); ++d) row_dims.push_back(d);
+  for (int64_t d = 0; d < axis; ++d) leading_dims.push_back(d);
+  // Statistics broadcast over the row: the leading sizes, then ones.
+  c10::SymDimVector stat_sizes(saved.sym_sizes().begin(), saved.sym_sizes().begin() + axis);
+  stat_sizes.resize(saved.dim(), 1);
+
+  const Tensor x = saved.to(acc);
+  const Tensor stored_rstd = rstd.view_symint(stat_sizes).to(acc);
+  Tensor xhat, r;
+  if (rms) {
+    const Tensor mean_square = x.square().mean(row_dims, /*keepdim=*/true);
+    r = at::rsqrt(stored_rstd.square().reciprocal() + (mean_square - mean_square.detach()));
+    xhat = x * r;
+  } else {
+    const Tensor row_mean = x.mean(row_dims, /*keepdim=*/true);
+    const Tensor m = mean->view_symint(stat_sizes).to(acc) + (row_mean - row_mean.detach());
+    const Tensor centered = x - m;
+    const Tensor variance = centered.square().mean(row_dims, /*keepdim=*/true);
+    r = at::rsqrt(stored_rstd.square().reciprocal() + (variance - variance.detach()));
+    xhat = centered * r;
+  }
+  const Tensor dy = grad_out.to(acc);
+  const Tensor g = weight.has_value() ? dy * weight->to(acc) : dy;
+  Tensor inner = g - xhat * (g * xhat).mean(row_dims, /*keepdim=*/true);
+  if (!rms) inner = inner - g.mean(row_dims, /*keepdim=*/true);
+  Tensor dx = r * inner;
+  if (grad_residual_out.has_value()) dx = dx + grad_residual_out->to(acc);
+
+  FormulaGrads f;
+  f.grad_input = dx.to(saved.scalar_type());
+  // A sum over the leading dims (none for a single row: sum over an empty dim list would sum everything).
+  const auto over_rows = [&](const Tensor& t) { return leading_dims.empty() ? t : t.sum(leading_dims); };
+  if (weight.has_value()) f.grad_weight = over_rows(dy * xhat).to(weight->scalar_type());
+  if (bias.has_value()) f.grad_bias = over_rows(dy).to(bias->scalar_type());
+  return f;
+}
+
+// The kernel's values with the formula's derivatives.
+Tensor with_derivatives(const Tensor& kernel, const Tensor& formula) {
+  if (!formula.defined()) return kernel;
+  return kernel + (formula - formula.detach());
+}
+
+bool needs_graph(const Tensor& grad_out, const Tensor& saved, const OptTensor& weight, const OptTensor& bias,
+                 const OptTensor& grad_residual_out) {
+  return c10::GradMode::is_enabled() && (grad_out.requires_grad() || saved.requires_grad() ||
+                                         requires_grad(weight) || requires_grad(bias) ||
+                                         requires_grad(grad_residual_out));
+}
+
+void check_second_order_possible(bool saved_is_output, const char* op) {
+  TORCH_CHECK(!saved_is_output, op,
+              ": double backward (a backward with create_graph=True) is not supported with memory_efficient=True: "
+              "that forward saved its output instead of its input, and second derivatives are formed from the "
+              "input only. Call the norm with memory_efficient=False to differentiate its gradients.");
+}
+
+std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd_autograd(const Tensor& grad_out, const Tensor& saved,
+                                                           const Tensor& mean, const Tensor& rstd,
+                                                           c10::SymIntArrayRef normalized_shape,
+                                                           const OptTensor& weight, const OptTensor& bias,
+                                                           bool saved_is_output, const OptTensor& grad_residual_out) {
+  const bool graph = needs_graph(grad_out, saved, weight, bias, grad_residual_out);
+  if (graph) check_second_order_possible(saved_is_output, "layer_norm_backward");
+  Tensor grad_input, grad_weight, grad_bias;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    std::tie(grad_input, grad_weight, grad_bias) = layer_norm_bwd_op().call(
+        grad_out, saved, mean, rstd, normalized_shape, weight, bias, saved_is_output, grad_residual_out);
+  }
+  if (!graph) return {grad_input, grad_weight, grad_bias};
+  const FormulaGrads f = backward_formula(grad_out, saved, mean, rstd, static_cast<int64_t>(normalized_shape.size()),
+                                          weight, bias, grad_residual_out, /*rms=*/false);
+  return {with_derivatives(grad_input, f.grad_input), with_derivatives(grad_weight, f.grad_weight),
+          with_derivatives(grad_bias, f.grad_bias)};
+}
+
+std::tuple<Tensor, Tensor> rms_norm_bwd_autograd(const Tensor& grad_out, const Tensor& saved, const Tensor& rstd,
+                                                 c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                                                 bool saved_is_output, const OptTensor& grad_residual_out) {
+  const bool graph = needs_graph(grad_out, saved, weight, std::nullopt, grad_residual_out);
+  if (graph) check_second_order_possible(saved_is_output, "rms_norm_backward");
+  Tensor grad_input, grad_weight;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    std::tie(grad_input, grad_weight) =
+        rms_norm_bwd_op().call(grad_out, saved, rstd, normalized_shape, weight, saved_is_output, grad_residual_out);
+  }
+  if (!graph) return {grad_input, grad_weight};
+  const FormulaGrads f = backward_formula(grad_out, saved, std::nullopt, rstd,
+                                          static_cast<int64_t>(normalized_shape.size()), weight, std::nullopt,
+                                          grad_residual_out, /*rms=*/true);
+  return {with_derivatives(grad_input, f.grad_input), with_derivatives(grad_weight, f.grad_weight)};
+}
+
+// ---- the functional API: the forward ops, less the statistics ------------------------------------------------
+
+Tensor layer_norm(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                  const OptTensor& bias, double eps, bool memory_efficient) {
+  return std::get<0>(
+      layer_norm_fwd_op().call(input, normalized_shape, weight, bias, eps, std::nullopt, false, memory_efficient));
+}
+
+Tensor rms_norm(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                std::optional<double> eps, bool memory_efficient) {
+  return std::get<0>(
+      rms_norm_fwd_op().call(input, normalized_shape, weight, eps, std::nullopt, false, memory_efficient));
+}
+
+std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& input, const Tensor& residual,
+                                          c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                                          const OptTensor& bias, double eps, bool residual_in_fp32,
+                                          bool memory_efficient) {
+  const auto r = layer_norm_fwd_op().call(input, normalized_shape, weight, bias, eps, residual, residual_in_fp32,
+                                          memory_efficient);
+  return {std::get<0>(r), std::get<1>(r)};
+}
+
+std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& input, const Tensor& residual,
+                                        c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                                        std::optional<double> eps, bool residual_in_fp32, bool memory_efficient) {
+  const auto r =
+      rms_norm_fwd_op().call(input, normalized_shape, weight, eps, residual, residual_in_fp32, memory_efficient);
+  return {std::get<0>(r), std::get<1>(r)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(layernorm_ext, CompositeImplicitAutograd, m) {
+  m.impl("layer_norm", &layer_norm);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_layer_norm", &add_layer_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+}
+
+TORCH_LIBRARY_IMPL(layernorm_ext, Autograd, m) {
+  m.impl("layer_norm_fwd", &layer_norm_autograd);
+  m.impl("rms_norm_fwd", &rms_norm_autograd);
+  m.impl("layer_norm_bwd", &layer_norm_bwd_autograd);
+  m.impl("rms_norm_bwd", &rms_norm_bwd_autograd);
+}
+
+}  // namespace layernorm_ext
