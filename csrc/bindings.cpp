@@ -1,5 +1,6 @@
-// Every schema of torch.ops.layernorm_ext lives here, plus the autocast policy and the pybind11 module
-// (build information only: the ops themselves are reached through the dispatcher, never through pybind).
+// Every schema of torch.ops.layernorm_ext lives here, plus the autocast policy and the pybind11 module (build
+// information, and the functional API's eager entry points of python_functions.cpp, which call the ops through
+// the dispatcher like torch.ops does).
 //
 // Forward ops return the per-row statistics the backward needs (float32, float64 for float64 rows), and,
 // when a residual is fused in, h = input + residual as residual_out. Outputs a variant does not produce are
@@ -126,6 +127,10 @@ TORCH_LIBRARY_IMPL(layernorm_ext, CUDA, m) {
 }
 #endif
 
+namespace layernorm_ext {
+void add_python_functions(PyObject* module);  // python_functions.cpp: the functional API's eager entry points
+}  // namespace layernorm_ext
+
 namespace {
 
 pybind11::dict build_info() {
@@ -157,6 +162,7 @@ pybind11::dict build_info() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "layernorm_ext native library: registers torch.ops.layernorm_ext.* on import";
+  layernorm_ext::add_python_functions(module.ptr());
   module.def("build_info", &build_info, "How this library was built: torch version, CUDA, CPU instruction set");
   module.def("supported_cpu_isas", &layernorm_ext::cpu::supported_isas,
              "CPU instruction sets this machine can run the kernels with, best first");

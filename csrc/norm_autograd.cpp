@@ -4,16 +4,16 @@
 // Forward ops (NormFunction): run the device kernel below autograd, save what the backward op reads (the
 // input, h with a residual, or the output in memory-efficient mode; mean, rstd, weight, bias) and record one
 // node whose backward calls the backward op. The statistics and the empty placeholder of residual_out are
-// not differentiable.
+// returned beside the node, not from it: nothing differentiates them.
 //
-// Backward ops (differentiable_backward): without a gradient to form (the usual first-order backward) they
-// just run the kernel. When their result must itself be differentiated (create_graph=True, or a traced joint
-// graph), the values still come from the kernel, and the derivatives from the same formula written in ATen
+// Backward ops (layer_norm_bwd_autograd, rms_norm_bwd_autograd): without a gradient to form (the usual
+// first-order backward) they just run the kernel. When their result must itself be differentiated
+// (create_graph=True), the values still come from the kernel, and the derivatives from the same formula written in ATen
 // ops: result = kernel + (formula - formula.detach()). The formula recomputes the mean and the mean square
 // from the saved rows, so that second derivatives see the statistics move with the input, while its values
 // are pinned to the stored mean and rstd (eps never appears: rstd = rsqrt(1/rstd^2 + (var - var.detach()))).
-// From a saved output (memory_efficient) the statistics' dependence on the input is not rebuilt (the forward
-// marks mean and rstd non-differentiable, so no graph path leads from them to the input): such a backward
+// From a saved output (memory_efficient) the statistics' dependence on the input is not rebuilt (mean and
+// rstd are no outputs of the forward's node, so no graph path leads from them to the input): such a backward
 // refuses to form second derivatives.
 #include <ATen/FunctionalTensorWrapper.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
@@ -157,24 +157,32 @@ constexpr const char* kState = "state";
 // LayerNorm and RMSNorm (rms), with or without a residual: forward args are those of the op's schema, in
 // order (bias and a float eps only for LayerNorm, an optional eps for RMSNorm).
 struct NormFunction : public torch::autograd::Function<NormFunction> {
+  // What the op returns besides the Function's outputs: the statistics, and residual_out's empty placeholder
+  // when there is no residual. They are not outputs of the node (nothing differentiates them), which also keeps
+  // compiled autograd working: it refuses nodes with outputs marked non-differentiable.
+  struct Extras {
+    Tensor residual_out, mean, rstd;
+  };
+
   static variable_list forward(AutogradContext* ctx, const Tensor& input, c10::SymIntArrayRef normalized_shape,
                                const OptTensor& weight, const OptTensor& bias, std::optional<double> eps,
-                               const OptTensor& residual, bool residual_in_fp32, bool memory_efficient, bool rms) {
-    Tensor out, residual_out, mean, rstd;
+                               const OptTensor& residual, bool residual_in_fp32, bool memory_efficient, bool rms,
+                               Extras* extras) {
+    Tensor out;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       if (rms) {
-        std::tie(out, residual_out, rstd) = rms_norm_fwd_op().call(input, normalized_shape, weight, eps, residual,
-                                                                   residual_in_fp32, memory_efficient);
+        std::tie(out, extras->residual_out, extras->rstd) = rms_norm_fwd_op().call(
+            input, normalized_shape, weight, eps, residual, residual_in_fp32, memory_efficient);
       } else {
-        std::tie(out, residual_out, mean, rstd) = layer_norm_fwd_op().call(
+        std::tie(out, extras->residual_out, extras->mean, extras->rstd) = layer_norm_fwd_op().call(
             input, normalized_shape, weight, bias, *eps, residual, residual_in_fp32, memory_efficient);
       }
     }
     const bool has_residual = residual.has_value();
     const bool saved_is_output = can_save_output(input, weight, bias, memory_efficient, has_residual);
-    const Tensor& saved = saved_is_output ? out : (has_residual ? residual_out : input);
-    ctx->save_for_backward({saved, mean, rstd, weight.value_or(Tensor()), bias.value_or(Tensor())});
+    const Tensor& saved = saved_is_output ? out : (has_residual ? extras->residual_out : input);
+    ctx->save_for_backward({saved, extras->mean, extras->rstd, weight.value_or(Tensor()), bias.value_or(Tensor())});
     NodeState state;
     state.rms = rms;
     state.has_residual = has_residual;
@@ -187,10 +195,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     // An unused output's gradient comes undefined, not as zeros autograd would make (plain tensors even for
     // DTensor outputs): backward makes only the one the kernel needs.
     ctx->set_materialize_grads(false);
-    variable_list not_differentiable = rms ? variable_list{rstd} : variable_list{mean, rstd};
-    if (!has_residual) not_differentiable.push_back(residual_out);
-    ctx->mark_non_differentiable(not_differentiable);  // one call: each call replaces the previous set
-    return rms ? variable_list{out, residual_out, rstd} : variable_list{out, residual_out, mean, rstd};
+    return has_residual ? variable_list{out, extras->residual_out} : variable_list{out};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -221,9 +226,9 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     const Tensor grad_input = grad_h.to(state.input_dtype);
     const Tensor grad_residual =
         has_residual ? grad_h.to(state.residual_dtype) : Tensor();
-    // input, normalized_shape, weight, bias, eps, residual, residual_in_fp32, memory_efficient, rms
+    // input, normalized_shape, weight, bias, eps, residual, residual_in_fp32, memory_efficient, rms, extras
     return {grad_input, Tensor(), weight.has_value() ? grad_weight : Tensor(),
-            bias.has_value() ? grad_bias : Tensor(), Tensor(), grad_residual, Tensor(), Tensor(), Tensor()};
+            bias.has_value() ? grad_bias : Tensor(), Tensor(), grad_residual, Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -246,9 +251,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_autograd(const Tensor& inp
     return layer_norm_fwd_op().call(input, normalized_shape, weight, bias, eps, residual, residual_in_fp32,
                                     memory_efficient);
   }
+  NormFunction::Extras extras;
   const variable_list r = NormFunction::apply(input, normalized_shape, weight, bias, std::optional<double>(eps),
-                                              residual, residual_in_fp32, memory_efficient, /*rms=*/false);
-  return {r[0], r[1], r[2], r[3]};
+                                              residual, residual_in_fp32, memory_efficient, /*rms=*/false, &extras);
+  return {r[0], residual.has_value() ? r[1] : extras.residual_out, extras.mean, extras.rstd};
 }
 
 std::tuple<Tensor, Tensor, Tensor> rms_norm_autograd(const Tensor& input, c10::SymIntArrayRef normalized_shape,
@@ -259,9 +265,10 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_autograd(const Tensor& input, c10::S
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return rms_norm_fwd_op().call(input, normalized_shape, weight, eps, residual, residual_in_fp32, memory_efficient);
   }
+  NormFunction::Extras extras;
   const variable_list r = NormFunction::apply(input, normalized_shape, weight, OptTensor(), eps, residual,
-                                              residual_in_fp32, memory_efficient, /*rms=*/true);
-  return {r[0], r[1], r[2]};
+                                              residual_in_fp32, memory_efficient, /*rms=*/true, &extras);
+  return {r[0], residual.has_value() ? r[1] : extras.residual_out, extras.rstd};
 }
 
 // ---- the backward ops ---------------------------------------------------------------------------------------
@@ -320,9 +327,11 @@ FormulaGrads backward_formula(const Tensor& grad_out, const Tensor& saved, const
 }
 
 // The kernel's values with the formula's derivatives.
+// (Where the formula overflows, formula - formula.detach() would be NaN: that term is 0 there.)
 Tensor with_derivatives(const Tensor& kernel, const Tensor& formula) {
   if (!formula.defined()) return kernel;
-  return kernel + (formula - formula.detach());
+  const Tensor zero_valued = formula - formula.detach();
+  return kernel + at::where(formula.detach().isfinite(), zero_valued, at::zeros_like(zero_valued));
 }
 
 bool needs_graph(const Tensor& grad_out, const Tensor& saved, const OptTensor& weight, const OptTensor& bias,

@@ -17,6 +17,7 @@ CPU_SOURCES: tuple[str, ...] = (
     "norm_checks.cpp",
     "norm_ops.cpp",
     "norm_autograd.cpp",
+    "python_functions.cpp",
     "cpu/norm_cpu.cpp",
     "cpu/norm_kernel.cpp",
     # Row kernels, one copy per instruction set (each file sets its own target; see csrc/cpu/rows_impl.h).

@@ -1,10 +1,12 @@
 """Functional API: drop-ins for torch.nn.functional.layer_norm / rms_norm, and their fused residual variants.
 
-Every function is one call of a ``torch.ops.layernorm_ext`` op of its name (no Python loops, no fallback to
+Every function is one call of the ``torch.ops.layernorm_ext`` op of its name (no Python loops, no fallback to
 ATen): the forward op (layer_norm_fwd, rms_norm_fwd) less the statistics it also returns, so it works under
-torch.compile(fullgraph=True), torch.export and autograd. Eager calls enter the op through its C++ entry point
-(the callable behind the OpOverload: the same dispatcher call without the OpOverload's Python frame); while
-dynamo traces, the OpOverload itself is called, which is what dynamo knows.
+torch.compile(fullgraph=True), torch.export and autograd. Eager calls enter the op through the library's own
+CPython entry points (csrc/python_functions.cpp: torch's argument parser, then the same dispatcher call as
+the OpOverload's); while dynamo traces, the OpOverload itself is called, which is what dynamo knows. As in
+torch.nn.functional, tensors with ``__torch_function__`` overrides (and active torch function modes) are handed
+to ``handle_torch_function`` first.
 """
 
 from __future__ import annotations
@@ -13,18 +15,12 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from . import ops  # noqa: F401  (registers fake kernels and sharding strategies)
+from ._loader import native
 
 _ops = torch.ops.layernorm_ext
-_LAYER_NORM = _ops.layer_norm.default
-_RMS_NORM = _ops.rms_norm.default
-_ADD_LAYER_NORM = _ops.add_layer_norm.default
-_ADD_RMS_NORM = _ops.add_rms_norm.default
-_LAYER_NORM_EAGER = _LAYER_NORM._op
-_RMS_NORM_EAGER = _RMS_NORM._op
-_ADD_LAYER_NORM_EAGER = _ADD_LAYER_NORM._op
-_ADD_RMS_NORM_EAGER = _ADD_RMS_NORM._op
 _is_compiling = torch.compiler.is_compiling
 
 ShapeLike = int | Sequence[int] | torch.Size
@@ -47,8 +43,21 @@ def layer_norm(
 
     ``memory_efficient=True`` saves the output instead of the input for backward (same gradients).
     """
-    op = _LAYER_NORM if _is_compiling() else _LAYER_NORM_EAGER
-    return op(input, _as_shape(normalized_shape), weight, bias, eps, memory_efficient)
+    return _layer_norm(input, normalized_shape, weight, bias, eps, memory_efficient)
+
+
+# The bodies, with every argument positional: the modules call these (a keyword argument costs a dict per call).
+def _layer_norm(
+    input: Tensor, normalized_shape: ShapeLike, weight: Tensor | None, bias: Tensor | None, eps: float,
+    memory_efficient: bool,
+) -> Tensor:
+    if has_torch_function_variadic(input, weight, bias):
+        return handle_torch_function(
+            layer_norm, (input, weight, bias), input, normalized_shape, weight, bias, eps,
+            memory_efficient=memory_efficient,
+        )  # fmt: skip
+    entry = _ops.layer_norm.default if _is_compiling() else native.layer_norm
+    return entry(input, _as_shape(normalized_shape), weight, bias, eps, memory_efficient)
 
 
 def rms_norm(
@@ -64,8 +73,18 @@ def rms_norm(
     ``eps=None`` means, as in ATen, the machine epsilon of the compute dtype: ``finfo(float32).eps`` for
     float32/float16/bfloat16 input, ``finfo(float64).eps`` for float64.
     """
-    op = _RMS_NORM if _is_compiling() else _RMS_NORM_EAGER
-    return op(input, _as_shape(normalized_shape), weight, eps, memory_efficient)
+    return _rms_norm(input, normalized_shape, weight, eps, memory_efficient)
+
+
+def _rms_norm(
+    input: Tensor, normalized_shape: ShapeLike, weight: Tensor | None, eps: float | None, memory_efficient: bool
+) -> Tensor:
+    if has_torch_function_variadic(input, weight):
+        return handle_torch_function(
+            rms_norm, (input, weight), input, normalized_shape, weight, eps, memory_efficient=memory_efficient
+        )
+    entry = _ops.rms_norm.default if _is_compiling() else native.rms_norm
+    return entry(input, _as_shape(normalized_shape), weight, eps, memory_efficient)
 
 
 def add_layer_norm(
@@ -84,8 +103,13 @@ def add_layer_norm(
     ``h`` (residual_out) has the promoted dtype of input and residual, at least float32 when
     ``residual_in_fp32``; ``out`` has the input's dtype.
     """
-    op = _ADD_LAYER_NORM if _is_compiling() else _ADD_LAYER_NORM_EAGER
-    return op(input, residual, _as_shape(normalized_shape), weight, bias, eps, residual_in_fp32, memory_efficient)
+    if has_torch_function_variadic(input, residual, weight, bias):
+        return handle_torch_function(
+            add_layer_norm, (input, residual, weight, bias), input, residual, normalized_shape, weight, bias, eps,
+            residual_in_fp32, memory_efficient=memory_efficient,
+        )  # fmt: skip
+    entry = _ops.add_layer_norm.default if _is_compiling() else native.add_layer_norm
+    return entry(input, residual, _as_shape(normalized_shape), weight, bias, eps, residual_in_fp32, memory_efficient)
 
 
 def add_rms_norm(
@@ -102,5 +126,10 @@ def add_rms_norm(
 
     ``eps=None`` means the machine epsilon of h's compute dtype (float32, or float64 for float64 h).
     """
-    op = _ADD_RMS_NORM if _is_compiling() else _ADD_RMS_NORM_EAGER
-    return op(input, residual, _as_shape(normalized_shape), weight, eps, residual_in_fp32, memory_efficient)
+    if has_torch_function_variadic(input, residual, weight):
+        return handle_torch_function(
+            add_rms_norm, (input, residual, weight), input, residual, normalized_shape, weight, eps,
+            residual_in_fp32, memory_efficient=memory_efficient,
+        )  # fmt: skip
+    entry = _ops.add_rms_norm.default if _is_compiling() else native.add_rms_norm
+    return entry(input, residual, _as_shape(normalized_shape), weight, eps, residual_in_fp32, memory_efficient)

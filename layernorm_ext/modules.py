@@ -40,9 +40,7 @@ class FusedLayerNorm(torch.nn.LayerNorm):
 
     def forward(self, input: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         if residual is None:
-            return F.layer_norm(
-                input, self.normalized_shape, self.weight, self.bias, self.eps, memory_efficient=self.memory_efficient
-            )
+            return F._layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, self.memory_efficient)
         return F.add_layer_norm(
             input,
             residual,
@@ -71,9 +69,7 @@ class FusedRMSNorm(torch.nn.RMSNorm):
 
     def forward(self, input: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         if residual is None:
-            return F.rms_norm(
-                input, self.normalized_shape, self.weight, self.eps, memory_efficient=self.memory_efficient
-            )
+            return F._rms_norm(input, self.normalized_shape, self.weight, self.eps, self.memory_efficient)
         return F.add_rms_norm(
             input, residual, self.normalized_shape, self.weight, self.eps, memory_efficient=self.memory_efficient
         )

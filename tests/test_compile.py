@@ -271,3 +271,29 @@ def test_export_training_graph_backward(device: str) -> None:
     eager = _run_fwd_bwd(block, leaves)
     got = _run_fwd_bwd(exported, _clone_leaves(leaves))
     _assert_same(eager, got)
+
+
+# ---- compiled autograd --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", ["layer_norm", "add_rms_norm"])
+def test_compiled_autograd(fn: str) -> None:
+    """The backward traced by compiled autograd (torch._dynamo.compiled_autograd) gives eager's gradients: our
+    C++ autograd nodes support it (it refuses nodes with outputs marked non-differentiable)."""
+    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+
+    def run(enable: bool) -> list[Tensor]:
+        gen = torch.Generator().manual_seed(60)
+        x, r, w = (torch.randn(shape, generator=gen).requires_grad_() for shape in ((4, N), (4, N), (N,)))
+        if fn == "layer_norm":
+            out = layernorm_ext.layer_norm(x, N, w)
+        else:
+            out, h = layernorm_ext.add_rms_norm(x, r, N, w)
+            out = out * h
+        context = compiled_autograd._enable(torch.compile(backend="eager")) if enable else contextlib.nullcontext()
+        with context:
+            (out * out).sum().backward()
+        return [t.grad for t in (x, r, w) if t.grad is not None]
+
+    for got, want in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(got, want)
