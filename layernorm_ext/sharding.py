@@ -14,10 +14,12 @@ strategies are registered when it is first imported (an import hook), or at once
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import inspect
 import sys
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -28,7 +30,10 @@ _ops = torch.ops.layernorm_ext
 _DTENSOR_MODULE = "torch.distributed.tensor"
 
 # Index of normalized_shape, the first argument after which every non-tensor argument enters DTensor's cache key.
-_STATIC_ARGNUM = {"layer_norm_fwd": 1, "rms_norm_fwd": 1, "layer_norm_bwd": 4, "rms_norm_bwd": 3}
+_STATIC_ARGNUM = {
+    "layer_norm_fwd": 1, "rms_norm_fwd": 1, "layer_norm_bwd": 4, "rms_norm_bwd": 3,
+    "layer_norm": 1, "rms_norm": 1, "add_layer_norm": 2, "add_rms_norm": 2,
+}  # fmt: skip
 
 
 def _placements(input: Any, normalized_shape: Sequence[int]) -> list[Any]:
@@ -116,6 +121,48 @@ def _rms_norm_bwd(
     ]  # fmt: skip
 
 
+# The functional API's ops (layer_norm, ...: the forward ops less the statistics). With autograd on they
+# decompose into the forward ops before DTensor sees them; under inference_mode they reach DTensor whole (a
+# torch before 2.8 does not decompose them there), so they get the forward ops' strategies, less the statistics.
+def _layer_norm(
+    input: Any, normalized_shape: Sequence[int], weight: Any = None, bias: Any = None, eps: float = 1e-5,
+    memory_efficient: bool = False,
+) -> Strategies:
+    from torch.distributed.tensor import Replicate
+
+    return [([place], [place, None, _given(weight, Replicate()), _given(bias, Replicate())])
+            for place in _placements(input, normalized_shape)]  # fmt: skip
+
+
+def _rms_norm(
+    input: Any, normalized_shape: Sequence[int], weight: Any = None, eps: float | None = None,
+    memory_efficient: bool = False,
+) -> Strategies:
+    from torch.distributed.tensor import Replicate
+
+    return [([place], [place, None, _given(weight, Replicate())]) for place in _placements(input, normalized_shape)]
+
+
+def _add_layer_norm(
+    input: Any, residual: Any, normalized_shape: Sequence[int], weight: Any = None, bias: Any = None,
+    eps: float = 1e-5, residual_in_fp32: bool = False, memory_efficient: bool = False,
+) -> Strategies:
+    from torch.distributed.tensor import Replicate
+
+    return [([place, place], [place, place, None, _given(weight, Replicate()), _given(bias, Replicate())])
+            for place in _placements(input, normalized_shape)]  # fmt: skip
+
+
+def _add_rms_norm(
+    input: Any, residual: Any, normalized_shape: Sequence[int], weight: Any = None, eps: float | None = None,
+    residual_in_fp32: bool = False, memory_efficient: bool = False,
+) -> Strategies:
+    from torch.distributed.tensor import Replicate
+
+    return [([place, place], [place, place, None, _given(weight, Replicate())])
+            for place in _placements(input, normalized_shape)]  # fmt: skip
+
+
 def register() -> None:
     """Register the strategies of every op with DTensor (torch.distributed.tensor must be importable)."""
     from torch.distributed.tensor import DTensor
@@ -127,6 +174,10 @@ def register() -> None:
         "rms_norm_fwd": _rms_norm_fwd,
         "layer_norm_bwd": _layer_norm_bwd,
         "rms_norm_bwd": _rms_norm_bwd,
+        "layer_norm": _layer_norm,
+        "rms_norm": _rms_norm,
+        "add_layer_norm": _add_layer_norm,
+        "add_rms_norm": _add_rms_norm,
     }
     # DTensor caches the chosen strategy per input specs and the arguments from static_argnum on: these must
     # include normalized_shape (SymInt[]), which decides the dims that may stay sharded. register_sharding
@@ -170,23 +221,44 @@ def sequence_parallel(sequence_dim: int = 1, use_local_output: bool = False) -> 
     return _EveryInput(sequence_dim=sequence_dim, use_local_output=use_local_output)
 
 
+def _register_or_warn() -> None:
+    """register(), but a failure (an older torch's DTensor internals, say) only warns: it must never break the
+    import of torch.distributed.tensor, on which FSDP2 and tensor parallelism rest."""
+    try:
+        register()
+    except Exception as err:  # noqa: BLE001  (any failure of private DTensor APIs)
+        warnings.warn(
+            f"layernorm_ext: could not register DTensor sharding strategies ({type(err).__name__}: {err}); "
+            "layernorm_ext ops will not accept DTensor inputs",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
 class _RegisterAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds torch.distributed.tensor as the other finders do, and registers the strategies once it is loaded."""
+    """Finds torch.distributed.tensor as the other finders do, and registers the strategies once it is loaded.
+
+    It leaves sys.meta_path when the module has been executed, not when it is looked up, so a look-up alone
+    (importlib.util.find_spec) does not disarm it."""
 
     def __init__(self) -> None:
         self._loader: Any = None
+        self._searching = False
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _DTENSOR_MODULE:
+        if fullname != _DTENSOR_MODULE or self._searching:
             return None
-        sys.meta_path.remove(self)  # fire once
-        for finder in sys.meta_path:
-            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        self._searching = True  # the other finders are asked below; this one must not answer itself
+        try:
+            spec = None
+            for finder in sys.meta_path:
+                if finder is not self and hasattr(finder, "find_spec"):
+                    spec = finder.find_spec(fullname, path, target)
+                    if spec is not None:
+                        break
+        finally:
+            self._searching = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         self._loader = spec.loader
         spec.loader = self
@@ -201,7 +273,9 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if module.__spec__ is not None:
             module.__spec__.loader = self._loader
         self._loader.exec_module(module)
-        register()
+        with contextlib.suppress(ValueError):  # fire once
+            sys.meta_path.remove(self)
+        _register_or_warn()
 
 
 def register_when_imported() -> None:
@@ -209,6 +283,6 @@ def register_when_imported() -> None:
     if not torch.distributed.is_available():
         return
     if _DTENSOR_MODULE in sys.modules:
-        register()
+        _register_or_warn()
     elif not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _RegisterAfterImport())

@@ -141,6 +141,21 @@ def scenario_ops(mesh: Any, device: str) -> None:
                             _check_op(mesh, name, ours_fn, full, normalized, placement, residual, rms,
                                       memory_efficient, what)  # fmt: skip
                             cases += 1
+    # Under inference_mode the functions' ops reach DTensor whole (no autograd to decompose them first).
+    for name in ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"):
+        fn = getattr(layernorm_ext, name)
+        full = [torch.randn(shape, generator=gen).to(device) for _ in range(2)]
+        for placement in (Shard(0), Shard(1), Shard(2), Replicate()):
+            sharded = [distribute_tensor(t, mesh, [placement]) for t in full]
+            with torch.inference_mode():
+                got = fn(*(sharded if name.startswith("add_") else sharded[:1]), [16])
+                want = fn(*(full if name.startswith("add_") else full[:1]), [16])
+            got = got if isinstance(got, tuple) else (got,)
+            want = want if isinstance(want, tuple) else (want,)
+            expected = (Replicate(),) if placement == Shard(2) else (placement,)
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert g.placements == expected, f"inference {name} {placement}: output {i} placed {g.placements}"
+                _close(g.full_tensor(), w, f"inference {name} {placement}: output {i}")
     # The statistics (raw op) keep the rows' placement too.
     x = distribute_tensor(torch.randn(shape, generator=gen).to(device), mesh, [Shard(1)])
     _, _, mean, rstd = torch.ops.layernorm_ext.layer_norm_fwd(x, [16], None, None, 1e-5)

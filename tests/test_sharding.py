@@ -37,10 +37,14 @@ REGISTERED = """
 import torch
 from torch.distributed.tensor import DTensor
 funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
-print(sorted(name for name in ("layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd")
+print(sorted(name for name in ("layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd", "layer_norm",
+                                "rms_norm", "add_layer_norm", "add_rms_norm")
              if getattr(torch.ops.layernorm_ext, name).default in funcs))
 """
-ALL_OPS = "['layer_norm_bwd', 'layer_norm_fwd', 'rms_norm_bwd', 'rms_norm_fwd']"
+ALL_OPS = (
+    "['add_layer_norm', 'add_rms_norm', 'layer_norm', 'layer_norm_bwd', 'layer_norm_fwd', 'rms_norm', "
+    "'rms_norm_bwd', 'rms_norm_fwd']"
+)
 
 
 def test_import_does_not_load_dtensor_and_registers_when_it_loads() -> None:
@@ -56,6 +60,33 @@ def test_registers_when_dtensor_was_loaded_first() -> None:
     assert proc.stdout.strip() == ALL_OPS, proc.stdout
 
 
+def test_a_look_up_does_not_disarm_the_hook() -> None:
+    code = "import importlib.util\nimport layernorm_ext\nimportlib.util.find_spec('torch.distributed.tensor')\n"
+    proc = _python(code + REGISTERED)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ALL_OPS, proc.stdout
+
+
+def test_a_failing_registration_warns_and_never_breaks_dtensor() -> None:
+    """register() uses private DTensor APIs; should they change, DTensor (FSDP2, tensor parallelism) must
+    still import, and the failure be said."""
+    code = """
+import warnings
+import layernorm_ext.sharding as sharding
+def broken():
+    raise AttributeError("no such API")
+sharding.register = broken
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import torch.distributed.tensor
+from torch.distributed.tensor import DTensor
+print([str(w.message) for w in caught if "sharding strategies" in str(w.message)])
+"""
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert "could not register DTensor sharding strategies (AttributeError: no such API)" in proc.stdout
+
+
 def test_cache_key_holds_normalized_shape() -> None:
     """DTensor reuses a strategy for equal input specs and equal arguments from static_argnum on: that must
     include normalized_shape, or (4, 6, 16) sharded on dim 1 would stay sharded when (6, 16) is normalized."""
@@ -64,7 +95,8 @@ import layernorm_ext, torch
 from torch.distributed.tensor import DTensor
 info = DTensor._op_dispatcher.sharding_propagator.op_to_schema_info
 ops = torch.ops.layernorm_ext
-for name, index in (("layer_norm_fwd", 1), ("rms_norm_fwd", 1), ("layer_norm_bwd", 4), ("rms_norm_bwd", 3)):
+for name, index in (("layer_norm_fwd", 1), ("rms_norm_fwd", 1), ("layer_norm_bwd", 4), ("rms_norm_bwd", 3),
+                    ("layer_norm", 1), ("rms_norm", 1), ("add_layer_norm", 2), ("add_rms_norm", 2)):
     op = getattr(ops, name).default
     assert op._schema.arguments[index].name == "normalized_shape", name
     assert info[op].static_argnum == index, (name, info[op].static_argnum)
