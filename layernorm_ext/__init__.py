@@ -8,6 +8,7 @@ from ._loader import load_method, native
 from . import ops
 from .functional import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from .modules import FusedLayerNorm, FusedRMSNorm
+from .replace import ReplaceReport, replace_norms
 
 
 def build_info() -> dict[str, object]:
@@ -20,10 +21,12 @@ def build_info() -> dict[str, object]:
 __all__ = [
     "FusedLayerNorm",
     "FusedRMSNorm",
+    "ReplaceReport",
     "add_layer_norm",
     "add_rms_norm",
     "build_info",
     "layer_norm",
     "ops",
+    "replace_norms",
     "rms_norm",
 ]

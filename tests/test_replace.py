@@ -1,0 +1,196 @@
+"""replace_norms (layernorm_ext/replace.py): which modules it replaces, that it keeps the Parameter objects, and
+that a model's outputs and gradients after it stay within the suite's accuracy rule of the original's.
+
+The third-party norms are written here the way model libraries write them (no dependency on any): Llama's
+RMSNorm (float32 statistics, cast back before the weight multiply), T5's LayerNorm (an RMSNorm), Gemma's
+RMSNorm (``1 + weight``: not ours to reproduce), and a LayerNorm subclass with its own forward.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from conftest import assert_no_worse_than_aten
+from layernorm_ext import FusedLayerNorm, FusedRMSNorm, replace_norms
+
+D = 16
+
+
+class LlamaRMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(dtype)
+
+
+class T5LayerNorm(LlamaRMSNorm):
+    pass
+
+
+class GemmaRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+class ScaledLayerNorm(nn.LayerNorm):
+    """A subclass that changed forward: it must not be taken for an nn.LayerNorm."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return 2 * super().forward(x)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.rms = nn.RMSNorm(D, eps=1e-6)
+        self.llama = LlamaRMSNorm(D)
+        self.t5 = T5LayerNorm(D)
+        self.gemma = GemmaRMSNorm(D)
+        self.scaled = ScaledLayerNorm(D)
+        self.proj = nn.Linear(D, D)
+        self.bn = nn.BatchNorm1d(D)
+        self.no_affine = nn.LayerNorm(D, elementwise_affine=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.ln(x)
+        y = self.proj(self.rms(y)) + self.llama(x)
+        y = self.t5(y) + self.gemma(y) + self.scaled(y)
+        return self.no_affine(y)
+
+
+def _model(dtype: torch.dtype = torch.float32) -> Block:
+    torch.manual_seed(0)
+    model = Block()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    return model.to(dtype)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_what_is_replaced_and_what_is_left() -> None:
+    model = _model()
+    report = replace_norms(model)
+    replaced = {name: new for name, _, new in report.replaced}
+    assert replaced == {"ln": "FusedLayerNorm", "rms": "FusedRMSNorm", "llama": "FusedRMSNorm",
+                        "t5": "FusedRMSNorm", "no_affine": "FusedLayerNorm"}, report  # fmt: skip
+    skipped = {name: why for name, _, why in report.skipped}
+    assert "gemma" in skipped and "computes something else" in skipped["gemma"], report
+    assert "scaled" in skipped and "computes something else" in skipped["scaled"], report
+    assert "bn" not in skipped and "proj" not in skipped, report
+    assert isinstance(model.ln, FusedLayerNorm) and isinstance(model.llama, FusedRMSNorm)
+    assert type(model.gemma) is GemmaRMSNorm and type(model.scaled) is ScaledLayerNorm
+    assert model.llama.eps == 1e-6 and model.rms.eps == 1e-6
+    assert "gemma: GemmaRMSNorm left alone" in str(report)
+
+
+def test_parameters_and_state_dict_are_kept() -> None:
+    model = _model()
+    before = {name: p for name, p in model.named_parameters()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    replace_norms(model)
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(after[name] is p for name, p in before.items())
+    assert model.state_dict().keys() == state.keys()
+    # The optimizer built before the swap still trains the model's parameters.
+    gen = torch.Generator().manual_seed(3)
+    loss = (model(torch.randn(5, D, generator=gen)) * torch.randn(5, D, generator=gen)).sum()
+    loss.backward()
+    optimizer.step()
+    assert not torch.equal(model.llama.weight, state["llama.weight"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_outputs_and_gradients_within_the_rule(dtype: torch.dtype) -> None:
+    original = _model(dtype)
+    reference = copy.deepcopy(original).double()
+    ours = copy.deepcopy(original)
+    replace_norms(ours)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(7, D, generator=gen).to(dtype)
+    cotangent = torch.randn(7, D, generator=gen)
+    results = []
+    for model, inp in ((ours, x), (original, x), (reference, x.double())):
+        inp = inp.clone().requires_grad_()
+        out = model(inp)
+        out.backward(cotangent.to(out.dtype))
+        grads = [inp.grad] + [p.grad for p in model.parameters()]
+        results.append([out.detach()] + grads)
+    names = ["out", "x"] + [name for name, _ in ours.named_parameters()]
+    for name, got, want, ref in zip(names, *results, strict=True):
+        if name.startswith("bn."):  # not in the forward: no gradient
+            assert got is None and want is None
+            continue
+        assert_no_worse_than_aten(got, want, ref, f"{dtype} {name}")
+
+
+def test_include_exclude_and_root() -> None:
+    model = _model()
+    report = replace_norms(model, include=["l*", nn.RMSNorm], exclude=["llama"])
+    assert {name for name, _, _ in report.replaced} == {"ln", "rms"}
+    assert isinstance(model.rms, FusedRMSNorm) and type(model.llama) is LlamaRMSNorm
+
+    norm = nn.LayerNorm(D)
+    report = replace_norms(norm)
+    assert isinstance(report.model, FusedLayerNorm) and report.model.weight is norm.weight
+
+
+def test_modules_with_hooks_are_left_alone() -> None:
+    model = _model()
+    model.ln.register_forward_hook(lambda *_: None)
+    report = replace_norms(model)
+    assert type(model.ln) is nn.LayerNorm
+    assert any(name == "ln" and "hooks" in why for name, _, why in report.skipped)
+
+
+def test_replaced_model_compiles() -> None:
+    model = _model()
+    replace_norms(model)
+    x = torch.randn(3, D)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), model(x))
+    torch._dynamo.reset()
+
+
+def test_llama_rms_norm_agrees_with_its_formula_in_bf16() -> None:
+    """Llama casts the normalized rows to bf16 before the weight multiply; ours rounds once: within a few ulps."""
+    torch.manual_seed(2)
+    llama = LlamaRMSNorm(64).bfloat16()
+    with torch.no_grad():
+        llama.weight.copy_(torch.randn(64) * 0.5 + 1)
+    x = torch.randn(9, 64).bfloat16()
+    want = llama(x)
+    report = replace_norms(llama)
+    got = report.model(x)
+    ref = F.rms_norm(x.double(), (64,), llama.weight.double(), 1e-6)
+    assert_no_worse_than_aten(got, want, ref, "llama bf16")
