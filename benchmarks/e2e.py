@@ -46,12 +46,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import gc
 import math
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -65,6 +62,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import layernorm_ext
+from common import comma_list, finish_report, report_head
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 IMPLS = ("ours", "aten")
@@ -486,18 +484,9 @@ def summary(rows: Sequence[Row]) -> str:
 
 
 def header(opts: argparse.Namespace, wall_s: float, load: str) -> list[str]:
-    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     shapes = [f"{d}: x of {' x '.join(map(str, (*tokens(d, opts), opts.hidden)))}" for d in opts.devices]
-    lines = [
-        "# layernorm_ext end to end: transformer stacks, ATen norms vs replace_norms",
-        "",
-        f"- command: `{shlex.join([os.path.basename(sys.executable), *sys.argv])}`",
-        f"- date: {now}; wall time {wall_s:.0f} s; load average at start {load}",
-        f"- torch {torch.__version__}; layernorm_ext.build_info(): {layernorm_ext.build_info()}",
-        f"- machine: {platform.machine()} {platform.processor() or platform.platform()}, "
-        f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
-        f"- threads: {torch.get_num_threads()} (torch.set_num_threads)",
-    ]
+    lines = report_head("layernorm_ext end to end: transformer stacks, ATen norms vs replace_norms", wall_s,
+                        when=f"; load average at start {load}")  # fmt: skip
     if "cuda" in opts.devices:
         lines.append(f"- cuda: {torch.cuda.get_device_name()} (torch CUDA {torch.version.cuda}); TF32 matmul "
                      f"{'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}")  # fmt: skip
@@ -521,17 +510,6 @@ def header(opts: argparse.Namespace, wall_s: float, load: str) -> list[str]:
 
 
 # ---- main --------------------------------------------------------------------------------------------------
-
-
-def comma_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        items = [item.strip() for item in text.split(",") if item.strip()]
-        bad = [item for item in items if item not in choices]
-        if bad:
-            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(choices)}")
-        return items
-
-    return parse
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -596,15 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{row.ms['fwd']['aten']:.2f} ms, fwd+bwd {row.ms['fwd+bwd']['ours']:.2f} / "
               f"{row.ms['fwd+bwd']['aten']:.2f} ms", file=sys.stderr, flush=True)  # fmt: skip
     report = [*header(opts, time.perf_counter() - started, load), *main_table(rows), "", *accuracy_table(rows), ""]
-    if failures:
-        report += [f"Failed cases ({len(failures)}):", "", *(f"- {f}" for f in failures), ""]
-    if rows:
-        report.append(summary(rows))
-    text = "\n".join(report) + "\n"
-    print(text, end="")
-    if opts.out is not None:
-        opts.out.write_text(text)
-    return 1 if failures else 0
+    return finish_report(report, failures, summary(rows) if rows else "", opts.out)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,7 @@ ratio per mode.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -57,6 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import layernorm_ext
+from common import comma_list, finish_report, report_head
 
 APIS = ("functional", "module")
 OPS = ("layer_norm", "rms_norm")
@@ -300,18 +297,8 @@ def clock_name(name: str) -> str:
 
 
 def header(opts: argparse.Namespace, devices: Sequence[str], harness_us: float, wall_s: float) -> list[str]:
-    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    lines = [
-        "# layernorm_ext per-call overhead (ours vs ATen)",
-        "",
-        f"- command: `{shlex.join([os.path.basename(sys.executable), *sys.argv])}`",
-        f"- date: {now}; wall time {wall_s:.0f} s",
-        f"- torch {torch.__version__}; layernorm_ext.build_info(): {layernorm_ext.build_info()}; "
-        f"loaded from {Path(layernorm_ext.__file__).parent}",
-        f"- machine: {platform.machine()} {platform.processor() or platform.platform()}, "
-        f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
-        f"- threads: {torch.get_num_threads()} (torch.set_num_threads)",
-    ]
+    lines = report_head("layernorm_ext per-call overhead (ours vs ATen)", wall_s,
+                        build=f"; loaded from {Path(layernorm_ext.__file__).parent}")  # fmt: skip
     if "cuda" in devices:
         lines.append(f"- cuda: {torch.cuda.get_device_name()} (torch CUDA {torch.version.cuda})")
     k = f"K = {opts.calls} calls per loop" if opts.calls else f"K calls per loop, about {opts.target_ms:g} ms"
@@ -332,17 +319,6 @@ def header(opts: argparse.Namespace, devices: Sequence[str], harness_us: float, 
 
 
 # ---- main --------------------------------------------------------------------------------------------------
-
-
-def comma_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        items = [item.strip() for item in text.split(",") if item.strip()]
-        bad = [item for item in items if item not in choices]
-        if bad:
-            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(choices)}")
-        return items
-
-    return parse
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -408,14 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"K={row.calls} ours {row.ours_us:.2f} us, ATen {row.aten_us:.2f} us, {row.ratio:.2f}",
                   file=sys.stderr, flush=True)  # fmt: skip
     report = [*header(opts, opts.devices, harness_us, time.perf_counter() - started), *table(rows), ""]
-    if failures:
-        report += [f"Failed cases ({len(failures)}):", "", *(f"- {f}" for f in failures), ""]
-    report.append(worst_per_mode(rows))
-    text = "\n".join(report) + "\n"
-    print(text, end="")
-    if opts.out is not None:
-        opts.out.write_text(text)
-    return 1 if failures else 0
+    return finish_report(report, failures, worst_per_mode(rows), opts.out)
 
 
 if __name__ == "__main__":
