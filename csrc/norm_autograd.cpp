@@ -46,14 +46,14 @@ bool values_unreadable(const Tensor& t) {
 // accuracy (weight == 0 loses xhat altogether), so such a weight makes the forward save the input instead.
 constexpr double kMaxBiasOverWeight = 4.0;
 
+}  // namespace
+
 // Whether the backward may recover xhat from the output instead of reading the saved input. Not with a
 // residual (h is an output already: saving it costs no more than saving out); not when the output is coarser
 // than the parameters (half input, float32 weight); not when a weight entry is 0, much smaller than its bias,
 // or either is not finite; not when the values cannot be read (tracing, DTensor) nor during CUDA graph
 // capture, when reading them (a wait for the GPU) is forbidden. In all these cases the input is saved, so the
 // gradients stay exact. Otherwise the check reads the parameters: on CUDA one host synchronization per call.
-}  // namespace
-
 bool can_save_output(const Tensor& input, const OptTensor& weight, const OptTensor& bias, bool memory_efficient,
                      bool has_residual) {
   if (!memory_efficient || has_residual) return false;
