@@ -27,7 +27,8 @@ ShapeLike = int | Sequence[int] | torch.Size
 
 
 def _as_shape(normalized_shape: ShapeLike) -> Sequence[int]:
-    return (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
+    """A single size (int, SymInt while tracing, numpy integer) as a one-dim shape."""
+    return normalized_shape if isinstance(normalized_shape, Sequence) else (normalized_shape,)
 
 
 def layer_norm(

@@ -117,3 +117,15 @@ def test_eager_entry_keeps_torch_dtype_promotion_errors_of_the_op() -> None:
     """Nothing is converted on the way: an integer tensor reaches the op's own check."""
     with pytest.raises(RuntimeError, match="expected input to be a floating point tensor"):
         L.layer_norm(torch.ones(2, 4, dtype=torch.int64), 4)
+
+
+def test_a_single_size_of_any_integer_type() -> None:
+    """normalized_shape as an int, a numpy integer, or a SymInt while tracing with symbolic shapes."""
+    np = pytest.importorskip("numpy")
+    x = torch.randn(3, 5)
+    want = ops.layer_norm(x, [5])
+    assert torch.equal(L.layer_norm(x, np.int64(5)), want)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(lambda t: L.rms_norm(t, t.shape[-1]), tracing_mode="symbolic")(x)
+    assert graph(torch.randn(2, 7)).shape == (2, 7)

@@ -194,3 +194,59 @@ def test_llama_rms_norm_agrees_with_its_formula_in_bf16() -> None:
     got = report.model(x)
     ref = F.rms_norm(x.double(), (64,), llama.weight.double(), 1e-6)
     assert_no_worse_than_aten(got, want, ref, "llama bf16")
+
+
+def test_gemma_is_left_alone_whatever_its_weights() -> None:
+    """With trained weights of 8 or more, 1 + w is within bf16's rounding of w: the probe uses weights of its own."""
+    gemma = GemmaRMSNorm(64).bfloat16()
+    with torch.no_grad():
+        gemma.weight.fill_(8.0)
+    report = replace_norms(nn.Sequential(gemma))
+    assert not report.replaced and "computes something else" in report.skipped[0][2], report
+    assert torch.equal(gemma.weight, torch.full((64,), 8.0, dtype=torch.bfloat16))  # the probe left it alone
+
+
+def test_a_tied_norm_stays_tied() -> None:
+    norm = nn.LayerNorm(8)
+    model = nn.Sequential(nn.Linear(8, 8), norm, nn.Linear(8, 8), norm)
+    report = replace_norms(model)
+    assert isinstance(model[1], FusedLayerNorm) and model[1] is model[3]
+    assert [name for name, _, _ in report.replaced] == ["1"]
+
+
+def test_one_pattern_alone_is_a_pattern() -> None:
+    model = nn.Sequential()
+    model.add_module("enc", nn.LayerNorm(8))
+    model.add_module("dec", nn.LayerNorm(8))
+    replace_norms(model, exclude="enc")
+    assert type(model.enc) is nn.LayerNorm and isinstance(model.dec, FusedLayerNorm)
+    model = nn.Sequential(nn.LayerNorm(8), nn.RMSNorm(8))
+    replace_norms(model, include=nn.RMSNorm)
+    assert type(model[0]) is nn.LayerNorm and isinstance(model[1], FusedRMSNorm)
+
+
+def test_meta_third_party_norm_is_reported_not_probed() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(LlamaRMSNorm(8), nn.RMSNorm(8))
+    report = replace_norms(model)
+    assert isinstance(model[1], FusedRMSNorm) and model[1].weight.is_meta
+    assert type(model[0]) is LlamaRMSNorm and "meta device" in report.skipped[0][2], report
+
+
+def test_every_kind_of_hook_keeps_the_module() -> None:
+    norm = nn.LayerNorm(8)
+    norm.register_full_backward_pre_hook(lambda *_: None)
+    report = replace_norms(nn.Sequential(norm))
+    assert not report.replaced and "hooks" in report.skipped[0][2]
+
+
+class ResidualRMSNorm(LlamaRMSNorm):
+    """A norm whose forward takes more than the input (as flash-attn's does): not ours to stand in for."""
+
+    def forward(self, hidden_states: Tensor, residual: Tensor | None = None, prenorm: bool = False) -> Tensor:
+        return super().forward(hidden_states if residual is None else hidden_states + residual)
+
+
+def test_a_forward_with_more_arguments_keeps_the_module() -> None:
+    report = replace_norms(nn.Sequential(ResidualRMSNorm(8)))
+    assert not report.replaced and "residual, prenorm" in report.skipped[0][2], report
