@@ -28,7 +28,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 import torch
@@ -38,7 +37,7 @@ from torch.autograd.gradcheck import GradcheckError
 
 import layernorm_ext
 from conftest import assert_no_worse_than_aten, ulp_atol
-from test_ops import CASES, Case, fwd_call, make_fwd_args
+from test_ops import CASES, Case, bwd_call, saves_output
 
 ops = torch.ops.layernorm_ext
 
@@ -578,54 +577,8 @@ def test_triple_backward_layer_norm_not_silently_wrong() -> None:
 # ---- 6. opcheck of the backward ops with grad-requiring arguments ---------------------------------------------
 
 
-def _saved_is_output(case: Case) -> bool:
-    return case.memory_efficient and case.residual_dtype is None
-
-
-def bwd_call(case: Case, rms: bool, requires_grad: bool) -> tuple[Any, tuple[Any, ...], list[Tensor]]:
-    """The backward op and its arguments, built as tests/test_ops.py does; with ``requires_grad`` every
-    differentiable argument (grad_out, saved, weight, bias, grad_residual_out) requires grad (mean / rstd,
-    non-differentiable outputs of the forward, do not). Returns the op, the args, and the grad-requiring ones."""
-    a = make_fwd_args(case, rms, requires_grad=False)
-    op, args = fwd_call(case, a, rms)
-    outs = op(*args)
-    out, residual_out, rstd = outs[0], outs[1], outs[-1]
-    mean = None if rms else outs[2]
-    gen = torch.Generator().manual_seed(1)
-    grad_out = torch.randn(tuple(out.shape), generator=gen, dtype=F64).to(out.dtype)
-    has_res = a.residual is not None
-    saved_is_output = _saved_is_output(case)
-    saved = out if saved_is_output else (residual_out if has_res else a.x)
-    grad_residual_out = (
-        torch.randn(tuple(residual_out.shape), generator=gen, dtype=F64).to(residual_out.dtype) if has_res else None
-    )
-    weight, bias = a.weight, a.bias
-    diff: list[Tensor] = []
-    if requires_grad:
-        def leaf(t: Tensor | None) -> Tensor | None:
-            if t is None:
-                return None
-            t = t.detach().requires_grad_()
-            diff.append(t)
-            return t
-
-        grad_out, saved, weight, bias, grad_residual_out = (
-            leaf(t) for t in (grad_out, saved, weight, bias, grad_residual_out)
-        )
-    shape = list(case.normalized_shape)
-    if rms:
-        return (
-            ops.rms_norm_bwd.default, (grad_out, saved, rstd, shape, weight, saved_is_output, grad_residual_out), diff
-        )
-    return (
-        ops.layer_norm_bwd.default,
-        (grad_out, saved, mean, rstd, shape, weight, bias, saved_is_output, grad_residual_out),
-        diff,
-    )
-
-
-OPCHECK_BWD_CASES = [c for c in CASES if not _saved_is_output(c)]
-SAVED_OUTPUT_CASES = [c for c in CASES if _saved_is_output(c)]
+OPCHECK_BWD_CASES = [c for c in CASES if not saves_output(c)]
+SAVED_OUTPUT_CASES = [c for c in CASES if saves_output(c)]
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm_bwd", "rms_norm_bwd"])

@@ -120,9 +120,15 @@ def test_opcheck_forward(case: Case, rms: bool) -> None:
     _opcheck(op, args)
 
 
-@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_opcheck_backward(case: Case, rms: bool) -> None:
+def saves_output(case: Case) -> bool:
+    """Whether the forward of ``case`` saves its output for backward (memory_efficient without a residual)."""
+    return case.memory_efficient and case.residual_dtype is None
+
+
+def bwd_call(case: Case, rms: bool, requires_grad: bool = False) -> tuple[Any, tuple[Any, ...], list[Tensor]]:
+    """The backward op of ``case`` and its arguments, from a forward run of the op. With ``requires_grad`` every
+    differentiable argument (grad_out, saved, weight, bias, grad_residual_out) requires grad (mean / rstd,
+    non-differentiable outputs of the forward, do not). Returns the op, the args and the grad-requiring ones."""
     a = make_fwd_args(case, rms, requires_grad=False)
     op, args = fwd_call(case, a, rms)
     outs = op(*args)
@@ -131,17 +137,39 @@ def test_opcheck_backward(case: Case, rms: bool) -> None:
     gen = torch.Generator().manual_seed(1)
     grad_out = _rand(tuple(out.shape), out.dtype, gen)
     has_residual = a.residual is not None
-    saved_is_output = case.memory_efficient and not has_residual
+    saved_is_output = saves_output(case)
     saved = out if saved_is_output else (residual_out if has_residual else a.x)
     grad_residual_out = _rand(tuple(residual_out.shape), residual_out.dtype, gen) if has_residual else None
+    weight, bias = a.weight, a.bias
+    diff: list[Tensor] = []
+    if requires_grad:
+
+        def leaf(t: Tensor | None) -> Tensor | None:
+            if t is None:
+                return None
+            t = t.detach().requires_grad_()
+            diff.append(t)
+            return t
+
+        grad_out, saved, weight, bias, grad_residual_out = (
+            leaf(t) for t in (grad_out, saved, weight, bias, grad_residual_out)
+        )
     shape = list(case.normalized_shape)
     if rms:
-        _opcheck(ops.rms_norm_bwd.default, (grad_out, saved, rstd, shape, a.weight, saved_is_output, grad_residual_out))
-    else:
-        _opcheck(
-            ops.layer_norm_bwd.default,
-            (grad_out, saved, mean, rstd, shape, a.weight, a.bias, saved_is_output, grad_residual_out),
-        )
+        args = (grad_out, saved, rstd, shape, weight, saved_is_output, grad_residual_out)
+        return ops.rms_norm_bwd.default, args, diff
+    return (
+        ops.layer_norm_bwd.default,
+        (grad_out, saved, mean, rstd, shape, weight, bias, saved_is_output, grad_residual_out),
+        diff,
+    )
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_opcheck_backward(case: Case, rms: bool) -> None:
+    op, args, _ = bwd_call(case, rms)
+    _opcheck(op, args)
 
 
 # ---- gradcheck (float64) -----------------------------------------------------------------------------------
