@@ -7,7 +7,10 @@
 // empty tensors of shape [0] (a schema cannot return None). memory_efficient only tells the autograd formula
 // (layernorm_ext/ops.py) to save the output instead of the input; kernels ignore it. rms_norm_fwd's eps=None
 // means, as in ATen's rms_norm, the machine epsilon of the compute type: float32 for float16/bfloat16/float32
-// rows, float64 for float64 rows. Device kernels register in csrc/cpu and
+// rows, float64 for float64 rows. weight_offset and cast_before_weight give the numerics of other norm modules:
+// the scale is weight + weight_offset (1: Gemma's `1 + weight`, zero-centred gamma), and cast_before_weight
+// rounds xhat to the input dtype before the affine (Llama's `weight * xhat.to(input_dtype)`); the backward ops
+// take the forward's weight_offset. Device kernels register in csrc/cpu and
 // csrc/cuda with TORCH_LIBRARY_IMPL and never change these schemas.
 #include <ATen/autocast_mode.h>
 #include <torch/extension.h>
@@ -19,39 +22,40 @@
 TORCH_LIBRARY(layernorm_ext, m) {
   m.def(
       "layer_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
-      "Tensor? residual=None, bool residual_in_fp32=False, bool memory_efficient=False) "
-      "-> (Tensor out, Tensor residual_out, Tensor mean, Tensor rstd)");
+      "Tensor? residual=None, bool residual_in_fp32=False, bool memory_efficient=False, float weight_offset=0., "
+      "bool cast_before_weight=False) -> (Tensor out, Tensor residual_out, Tensor mean, Tensor rstd)");
   m.def(
       "rms_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps, "
-      "Tensor? residual=None, bool residual_in_fp32=False, bool memory_efficient=False) "
-      "-> (Tensor out, Tensor residual_out, Tensor rstd)");
+      "Tensor? residual=None, bool residual_in_fp32=False, bool memory_efficient=False, float weight_offset=0., "
+      "bool cast_before_weight=False) -> (Tensor out, Tensor residual_out, Tensor rstd)");
   // saved is h (the normalized input) or, with saved_is_output, the forward's out (memory-efficient mode).
   // grad_residual_out, when given, is added to grad_input (the gradient of h).
   m.def(
       "layer_norm_bwd(Tensor grad_out, Tensor saved, Tensor mean, Tensor rstd, SymInt[] normalized_shape, "
-      "Tensor? weight, Tensor? bias, bool saved_is_output=False, Tensor? grad_residual_out=None) "
-      "-> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+      "Tensor? weight, Tensor? bias, bool saved_is_output=False, Tensor? grad_residual_out=None, "
+      "float weight_offset=0.) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   m.def(
       "rms_norm_bwd(Tensor grad_out, Tensor saved, Tensor rstd, SymInt[] normalized_shape, Tensor? weight, "
-      "bool saved_is_output=False, Tensor? grad_residual_out=None) "
+      "bool saved_is_output=False, Tensor? grad_residual_out=None, float weight_offset=0.) "
       "-> (Tensor grad_input, Tensor grad_weight)");
   // The functional API (layernorm_ext/functional.py): each the forward op above, returning only what the user
   // gets, which spares an eager call the statistics' Python objects (CompositeImplicitAutograd, in
   // norm_autograd.cpp: autograd, fake tensors, DTensor and autocast all act on the forward op).
   m.def(
       "layer_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, Tensor? bias=None, "
-      "float eps=1e-05, bool memory_efficient=False) -> Tensor");
+      "float eps=1e-05, bool memory_efficient=False, float weight_offset=0., bool cast_before_weight=False) "
+      "-> Tensor");
   m.def(
       "rms_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None, "
-      "bool memory_efficient=False) -> Tensor");
+      "bool memory_efficient=False, float weight_offset=0., bool cast_before_weight=False) -> Tensor");
   m.def(
       "add_layer_norm(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight=None, "
-      "Tensor? bias=None, float eps=1e-05, bool residual_in_fp32=False, bool memory_efficient=False) "
-      "-> (Tensor out, Tensor residual_out)");
+      "Tensor? bias=None, float eps=1e-05, bool residual_in_fp32=False, bool memory_efficient=False, "
+      "float weight_offset=0., bool cast_before_weight=False) -> (Tensor out, Tensor residual_out)");
   m.def(
       "add_rms_norm(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight=None, "
-      "float? eps=None, bool residual_in_fp32=False, bool memory_efficient=False) "
-      "-> (Tensor out, Tensor residual_out)");
+      "float? eps=None, bool residual_in_fp32=False, bool memory_efficient=False, float weight_offset=0., "
+      "bool cast_before_weight=False) -> (Tensor out, Tensor residual_out)");
 }
 
 namespace {

@@ -13,31 +13,37 @@ struct DeviceOps {
   static std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm(const Tensor& input, c10::SymIntArrayRef shape,
                                                                const OptTensor& weight, const OptTensor& bias,
                                                                double eps, const OptTensor& residual,
-                                                               bool residual_in_fp32, bool memory_efficient) {
-    return layer_norm_fwd(input, shape, weight, bias, eps, residual, residual_in_fp32, memory_efficient, kForward);
+                                                               bool residual_in_fp32, bool memory_efficient,
+                                                               double weight_offset, bool cast_before_weight) {
+    return layer_norm_fwd(input, shape, weight, bias, eps, residual, residual_in_fp32, memory_efficient,
+                          weight_offset, cast_before_weight, kForward);
   }
 
   static std::tuple<Tensor, Tensor, Tensor> rms_norm(const Tensor& input, c10::SymIntArrayRef shape,
                                                      const OptTensor& weight, std::optional<double> eps,
                                                      const OptTensor& residual, bool residual_in_fp32,
-                                                     bool memory_efficient) {
-    return rms_norm_fwd(input, shape, weight, eps, residual, residual_in_fp32, memory_efficient, kForward);
+                                                     bool memory_efficient, double weight_offset,
+                                                     bool cast_before_weight) {
+    return rms_norm_fwd(input, shape, weight, eps, residual, residual_in_fp32, memory_efficient, weight_offset,
+                        cast_before_weight, kForward);
   }
 
   static std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& grad_out, const Tensor& saved,
                                                                 const Tensor& mean, const Tensor& rstd,
                                                                 c10::SymIntArrayRef shape, const OptTensor& weight,
                                                                 const OptTensor& bias, bool saved_is_output,
-                                                                const OptTensor& grad_residual_out) {
+                                                                const OptTensor& grad_residual_out,
+                                                                double weight_offset) {
     return layer_norm_bwd(grad_out, saved, mean, rstd, shape, weight, bias, saved_is_output, grad_residual_out,
-                          kBackward);
+                          weight_offset, kBackward);
   }
 
   static std::tuple<Tensor, Tensor> rms_norm_backward(const Tensor& grad_out, const Tensor& saved,
                                                       const Tensor& rstd, c10::SymIntArrayRef shape,
                                                       const OptTensor& weight, bool saved_is_output,
-                                                      const OptTensor& grad_residual_out) {
-    return rms_norm_bwd(grad_out, saved, rstd, shape, weight, saved_is_output, grad_residual_out, kBackward);
+                                                      const OptTensor& grad_residual_out, double weight_offset) {
+    return rms_norm_bwd(grad_out, saved, rstd, shape, weight, saved_is_output, grad_residual_out, weight_offset,
+                        kBackward);
   }
 
   static void register_to(torch::Library& m) {

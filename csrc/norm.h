@@ -36,6 +36,8 @@ NormGeometry check_backward_args(const char* op, const Tensor& grad_out, const T
                                  const OptTensor& mean, const Tensor& rstd, at::IntArrayRef normalized_shape,
                                  const OptTensor& weight, const OptTensor& bias,
                                  const OptTensor& grad_residual_out, bool saved_is_output);
+// weight_offset: finite, and nonzero only with a weight (the scale is weight + weight_offset).
+void check_weight_offset(const char* op, const OptTensor& weight, double weight_offset);
 
 // ---- device-independent op bodies (norm_ops.cpp); each device passes its launcher ----
 // A launcher runs a device's kernels on a filled parameter block; the op bodies call it after every argument
@@ -47,20 +49,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& input, c
                                                           const OptTensor& weight, const OptTensor& bias,
                                                           double eps, const OptTensor& residual,
                                                           bool residual_in_fp32, bool memory_efficient,
+                                                          double weight_offset, bool cast_before_weight,
                                                           ForwardLauncher launch);
 std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd(const Tensor& input, c10::SymIntArrayRef normalized_shape,
                                                 const OptTensor& weight, std::optional<double> eps,
                                                 const OptTensor& residual, bool residual_in_fp32,
-                                                bool memory_efficient, ForwardLauncher launch);
+                                                bool memory_efficient, double weight_offset,
+                                                bool cast_before_weight, ForwardLauncher launch);
 std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const Tensor& saved, const Tensor& mean,
                                                   const Tensor& rstd, c10::SymIntArrayRef normalized_shape,
                                                   const OptTensor& weight, const OptTensor& bias,
                                                   bool saved_is_output, const OptTensor& grad_residual_out,
-                                                  BackwardLauncher launch);
+                                                  double weight_offset, BackwardLauncher launch);
 std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& grad_out, const Tensor& saved, const Tensor& rstd,
                                         c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                                         bool saved_is_output, const OptTensor& grad_residual_out,
-                                        BackwardLauncher launch);
+                                        double weight_offset, BackwardLauncher launch);
 
 // ---- autograd (norm_autograd.cpp) ----
 // Whether a forward saves its output for backward instead of its input (memory_efficient, where the backward

@@ -76,49 +76,38 @@ namespace {
 
 // ---- the forward ops ----------------------------------------------------------------------------------------
 
-const c10::TypedOperatorHandle<std::tuple<Tensor, Tensor, Tensor, Tensor>(
-    const Tensor&, c10::SymIntArrayRef, const OptTensor&, const OptTensor&, double, const OptTensor&, bool, bool)>&
-layer_norm_fwd_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("layernorm_ext::layer_norm_fwd", "")
-                             .typed<std::tuple<Tensor, Tensor, Tensor, Tensor>(
-                                 const Tensor&, c10::SymIntArrayRef, const OptTensor&, const OptTensor&, double,
-                                 const OptTensor&, bool, bool)>();
-  return op;
+// The ops' signatures, as the schemas of bindings.cpp give them.
+using LayerNormFwdSig = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, c10::SymIntArrayRef,
+                                                                    const OptTensor&, const OptTensor&, double,
+                                                                    const OptTensor&, bool, bool, double, bool);
+using RmsNormFwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, c10::SymIntArrayRef, const OptTensor&,
+                                                         std::optional<double>, const OptTensor&, bool, bool,
+                                                         double, bool);
+using LayerNormBwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                           const Tensor&, c10::SymIntArrayRef, const OptTensor&,
+                                                           const OptTensor&, bool, const OptTensor&, double);
+using RmsNormBwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, c10::SymIntArrayRef,
+                                                 const OptTensor&, bool, const OptTensor&, double);
+
+template <class Sig>
+c10::TypedOperatorHandle<Sig> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-const c10::TypedOperatorHandle<std::tuple<Tensor, Tensor, Tensor>(
-    const Tensor&, c10::SymIntArrayRef, const OptTensor&, std::optional<double>, const OptTensor&, bool, bool)>&
-rms_norm_fwd_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("layernorm_ext::rms_norm_fwd", "")
-                             .typed<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, c10::SymIntArrayRef,
-                                                                       const OptTensor&, std::optional<double>,
-                                                                       const OptTensor&, bool, bool)>();
+const c10::TypedOperatorHandle<LayerNormFwdSig>& layer_norm_fwd_op() {
+  static const auto op = find_op<LayerNormFwdSig>("layernorm_ext::layer_norm_fwd");
   return op;
 }
-
-const c10::TypedOperatorHandle<std::tuple<Tensor, Tensor, Tensor>(
-    const Tensor&, const Tensor&, const Tensor&, const Tensor&, c10::SymIntArrayRef, const OptTensor&,
-    const OptTensor&, bool, const OptTensor&)>&
-layer_norm_bwd_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("layernorm_ext::layer_norm_bwd", "")
-                             .typed<std::tuple<Tensor, Tensor, Tensor>(
-                                 const Tensor&, const Tensor&, const Tensor&, const Tensor&, c10::SymIntArrayRef,
-                                 const OptTensor&, const OptTensor&, bool, const OptTensor&)>();
+const c10::TypedOperatorHandle<RmsNormFwdSig>& rms_norm_fwd_op() {
+  static const auto op = find_op<RmsNormFwdSig>("layernorm_ext::rms_norm_fwd");
   return op;
 }
-
-const c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                          c10::SymIntArrayRef, const OptTensor&, bool,
-                                                          const OptTensor&)>&
-rms_norm_bwd_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("layernorm_ext::rms_norm_bwd", "")
-                             .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                               c10::SymIntArrayRef, const OptTensor&, bool,
-                                                               const OptTensor&)>();
+const c10::TypedOperatorHandle<LayerNormBwdSig>& layer_norm_bwd_op() {
+  static const auto op = find_op<LayerNormBwdSig>("layernorm_ext::layer_norm_bwd");
+  return op;
+}
+const c10::TypedOperatorHandle<RmsNormBwdSig>& rms_norm_bwd_op() {
+  static const auto op = find_op<RmsNormBwdSig>("layernorm_ext::rms_norm_bwd");
   return op;
 }
 
@@ -132,12 +121,14 @@ c10::SymIntArrayRef trailing_sizes(const Tensor& t, int64_t dims) {
 // takes (each entry of that map costs an allocation per call).
 struct NodeState {
   bool rms = false, has_residual = false, saved_is_output = false;
+  bool has_offset = false;  // a nonzero weight_offset, kept in ctx->saved_data[kOffset]
   at::ScalarType input_dtype = at::kFloat, residual_dtype = at::kFloat, out_dtype = at::kFloat;
   int64_t dims = 0;  // len(normalized_shape)
 
   int64_t pack() const {
     return static_cast<int64_t>(rms) | static_cast<int64_t>(has_residual) << 1 |
-           static_cast<int64_t>(saved_is_output) << 2 | static_cast<int64_t>(input_dtype) << 8 |
+           static_cast<int64_t>(saved_is_output) << 2 | static_cast<int64_t>(has_offset) << 3 |
+           static_cast<int64_t>(input_dtype) << 8 |
            static_cast<int64_t>(residual_dtype) << 16 | static_cast<int64_t>(out_dtype) << 24 | dims << 32;
   }
   static NodeState unpack(int64_t bits) {
@@ -145,6 +136,7 @@ struct NodeState {
     s.rms = bits & 1;
     s.has_residual = bits >> 1 & 1;
     s.saved_is_output = bits >> 2 & 1;
+    s.has_offset = bits >> 3 & 1;
     s.input_dtype = static_cast<at::ScalarType>(bits >> 8 & 0xff);
     s.residual_dtype = static_cast<at::ScalarType>(bits >> 16 & 0xff);
     s.out_dtype = static_cast<at::ScalarType>(bits >> 24 & 0xff);
@@ -153,6 +145,7 @@ struct NodeState {
   }
 };
 constexpr const char* kState = "state";
+constexpr const char* kOffset = "weight_offset";
 
 // LayerNorm and RMSNorm (rms), with or without a residual: forward args are those of the op's schema, in
 // order (bias and a float eps only for LayerNorm, an optional eps for RMSNorm).
@@ -166,21 +159,25 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
 
   static variable_list forward(AutogradContext* ctx, const Tensor& input, c10::SymIntArrayRef normalized_shape,
                                const OptTensor& weight, const OptTensor& bias, std::optional<double> eps,
-                               const OptTensor& residual, bool residual_in_fp32, bool memory_efficient, bool rms,
-                               Extras* extras) {
+                               const OptTensor& residual, bool residual_in_fp32, bool memory_efficient,
+                               double weight_offset, bool cast_before_weight, bool rms, Extras* extras) {
     Tensor out;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       if (rms) {
-        std::tie(out, extras->residual_out, extras->rstd) = rms_norm_fwd_op().call(
-            input, normalized_shape, weight, eps, residual, residual_in_fp32, memory_efficient);
+        std::tie(out, extras->residual_out, extras->rstd) =
+            rms_norm_fwd_op().call(input, normalized_shape, weight, eps, residual, residual_in_fp32,
+                                   memory_efficient, weight_offset, cast_before_weight);
       } else {
-        std::tie(out, extras->residual_out, extras->mean, extras->rstd) = layer_norm_fwd_op().call(
-            input, normalized_shape, weight, bias, *eps, residual, residual_in_fp32, memory_efficient);
+        std::tie(out, extras->residual_out, extras->mean, extras->rstd) =
+            layer_norm_fwd_op().call(input, normalized_shape, weight, bias, *eps, residual, residual_in_fp32,
+                                     memory_efficient, weight_offset, cast_before_weight);
       }
     }
     const bool has_residual = residual.has_value();
-    const bool saved_is_output = can_save_output(input, weight, bias, memory_efficient, has_residual);
+    // With a weight_offset the input is saved: the check of can_save_output is on the weight itself.
+    const bool saved_is_output =
+        weight_offset == 0.0 && can_save_output(input, weight, bias, memory_efficient, has_residual);
     const Tensor& saved = saved_is_output ? out : (has_residual ? extras->residual_out : input);
     ctx->save_for_backward({saved, extras->mean, extras->rstd, weight.value_or(Tensor()), bias.value_or(Tensor())});
     NodeState state;
@@ -191,7 +188,9 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     state.residual_dtype = has_residual ? residual->scalar_type() : input.scalar_type();
     state.out_dtype = out.scalar_type();
     state.dims = static_cast<int64_t>(normalized_shape.size());
+    state.has_offset = weight_offset != 0.0;
     ctx->saved_data[kState] = state.pack();
+    if (state.has_offset) ctx->saved_data[kOffset] = weight_offset;
     // An unused output's gradient comes undefined, not as zeros autograd would make (plain tensors even for
     // DTensor outputs): backward makes only the one the kernel needs.
     ctx->set_materialize_grads(false);
@@ -208,6 +207,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     const bool has_residual = state.has_residual;
     const bool saved_is_output = state.saved_is_output;
     const c10::SymIntArrayRef normalized_shape = trailing_sizes(saved, state.dims);
+    const double weight_offset = state.has_offset ? ctx->saved_data[kOffset].toDouble() : 0.0;
     Tensor grad_out = grads[0];
     if (!grad_out.defined()) {  // only residual_out was used
       grad_out = saved.new_zeros_symint(saved.sym_sizes(),
@@ -217,18 +217,21 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     Tensor grad_h, grad_weight, grad_bias;
     if (rms) {
       std::tie(grad_h, grad_weight) = rms_norm_bwd_op().call(grad_out, saved, saved_tensors[2], normalized_shape,
-                                                             weight, saved_is_output, grad_residual_out);
+                                                             weight, saved_is_output, grad_residual_out,
+                                                             weight_offset);
     } else {
       std::tie(grad_h, grad_weight, grad_bias) =
           layer_norm_bwd_op().call(grad_out, saved, saved_tensors[1], saved_tensors[2], normalized_shape, weight,
-                                   bias, saved_is_output, grad_residual_out);
+                                   bias, saved_is_output, grad_residual_out, weight_offset);
     }
     const Tensor grad_input = grad_h.to(state.input_dtype);
     const Tensor grad_residual =
         has_residual ? grad_h.to(state.residual_dtype) : Tensor();
-    // input, normalized_shape, weight, bias, eps, residual, residual_in_fp32, memory_efficient, rms, extras
-    return {grad_input, Tensor(), weight.has_value() ? grad_weight : Tensor(),
-            bias.has_value() ? grad_bias : Tensor(), Tensor(), grad_residual, Tensor(), Tensor(), Tensor(), Tensor()};
+    // input, normalized_shape, weight, bias, eps, residual, residual_in_fp32, memory_efficient, weight_offset,
+    // cast_before_weight, rms, extras. (cast_before_weight's rounding passes the gradient straight through.)
+    return {grad_input,    Tensor(), weight.has_value() ? grad_weight : Tensor(),
+            bias.has_value() ? grad_bias : Tensor(), Tensor(), grad_residual, Tensor(), Tensor(), Tensor(),
+            Tensor(),      Tensor(), Tensor()};
   }
 };
 
@@ -245,29 +248,34 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_autograd(const Tensor& inp
                                                                c10::SymIntArrayRef normalized_shape,
                                                                const OptTensor& weight, const OptTensor& bias,
                                                                double eps, const OptTensor& residual,
-                                                               bool residual_in_fp32, bool memory_efficient) {
+                                                               bool residual_in_fp32, bool memory_efficient,
+                                                               double weight_offset, bool cast_before_weight) {
   if (!records_graph(input, weight, bias, residual)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return layer_norm_fwd_op().call(input, normalized_shape, weight, bias, eps, residual, residual_in_fp32,
-                                    memory_efficient);
+                                    memory_efficient, weight_offset, cast_before_weight);
   }
   NormFunction::Extras extras;
-  const variable_list r = NormFunction::apply(input, normalized_shape, weight, bias, std::optional<double>(eps),
-                                              residual, residual_in_fp32, memory_efficient, /*rms=*/false, &extras);
+  const variable_list r =
+      NormFunction::apply(input, normalized_shape, weight, bias, std::optional<double>(eps), residual,
+                          residual_in_fp32, memory_efficient, weight_offset, cast_before_weight, /*rms=*/false, &extras);
   return {r[0], residual.has_value() ? r[1] : extras.residual_out, extras.mean, extras.rstd};
 }
 
 std::tuple<Tensor, Tensor, Tensor> rms_norm_autograd(const Tensor& input, c10::SymIntArrayRef normalized_shape,
                                                      const OptTensor& weight, std::optional<double> eps,
                                                      const OptTensor& residual, bool residual_in_fp32,
-                                                     bool memory_efficient) {
+                                                     bool memory_efficient, double weight_offset,
+                                                     bool cast_before_weight) {
   if (!records_graph(input, weight, std::nullopt, residual)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return rms_norm_fwd_op().call(input, normalized_shape, weight, eps, residual, residual_in_fp32, memory_efficient);
+    return rms_norm_fwd_op().call(input, normalized_shape, weight, eps, residual, residual_in_fp32, memory_efficient,
+                                  weight_offset, cast_before_weight);
   }
   NormFunction::Extras extras;
-  const variable_list r = NormFunction::apply(input, normalized_shape, weight, OptTensor(), eps, residual,
-                                              residual_in_fp32, memory_efficient, /*rms=*/true, &extras);
+  const variable_list r =
+      NormFunction::apply(input, normalized_shape, weight, OptTensor(), eps, residual, residual_in_fp32,
+                          memory_efficient, weight_offset, cast_before_weight, /*rms=*/true, &extras);
   return {r[0], residual.has_value() ? r[1] : extras.residual_out, extras.rstd};
 }
 
@@ -285,7 +293,7 @@ struct FormulaGrads {
 // dbias = sum of grad_out.
 FormulaGrads backward_formula(const Tensor& grad_out, const Tensor& saved, const OptTensor& mean, const Tensor& rstd,
                               int64_t dims, const OptTensor& weight, const OptTensor& bias,
-                              const OptTensor& grad_residual_out, bool rms) {
+                              const OptTensor& grad_residual_out, double weight_offset, bool rms) {
   const at::ScalarType acc = at::kDouble;
   const int64_t axis = saved.dim() - dims;
   std::vector<int64_t> row_dims, leading_dims;
@@ -311,7 +319,7 @@ FormulaGrads backward_formula(const Tensor& grad_out, const Tensor& saved, const
     xhat = centered * r;
   }
   const Tensor dy = grad_out.to(acc);
-  const Tensor g = weight.has_value() ? dy * weight->to(acc) : dy;
+  const Tensor g = weight.has_value() ? dy * (weight->to(acc) + weight_offset) : dy;
   Tensor inner = g - xhat * (g * xhat).mean(row_dims, /*keepdim=*/true);
   if (!rms) inner = inner - g.mean(row_dims, /*keepdim=*/true);
   Tensor dx = r * inner;
@@ -352,68 +360,74 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd_autograd(const Tensor& grad_ou
                                                            const Tensor& mean, const Tensor& rstd,
                                                            c10::SymIntArrayRef normalized_shape,
                                                            const OptTensor& weight, const OptTensor& bias,
-                                                           bool saved_is_output, const OptTensor& grad_residual_out) {
+                                                           bool saved_is_output, const OptTensor& grad_residual_out,
+                                                           double weight_offset) {
   const bool graph = needs_graph(grad_out, saved, weight, bias, grad_residual_out);
   if (graph) check_second_order_possible(saved_is_output, "layer_norm_backward");
   Tensor grad_input, grad_weight, grad_bias;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     std::tie(grad_input, grad_weight, grad_bias) = layer_norm_bwd_op().call(
-        grad_out, saved, mean, rstd, normalized_shape, weight, bias, saved_is_output, grad_residual_out);
+        grad_out, saved, mean, rstd, normalized_shape, weight, bias, saved_is_output, grad_residual_out,
+        weight_offset);
   }
   if (!graph) return {grad_input, grad_weight, grad_bias};
   const FormulaGrads f = backward_formula(grad_out, saved, mean, rstd, static_cast<int64_t>(normalized_shape.size()),
-                                          weight, bias, grad_residual_out, /*rms=*/false);
+                                          weight, bias, grad_residual_out, weight_offset, /*rms=*/false);
   return {with_derivatives(grad_input, f.grad_input), with_derivatives(grad_weight, f.grad_weight),
           with_derivatives(grad_bias, f.grad_bias)};
 }
 
 std::tuple<Tensor, Tensor> rms_norm_bwd_autograd(const Tensor& grad_out, const Tensor& saved, const Tensor& rstd,
                                                  c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
-                                                 bool saved_is_output, const OptTensor& grad_residual_out) {
+                                                 bool saved_is_output, const OptTensor& grad_residual_out,
+                                                 double weight_offset) {
   const bool graph = needs_graph(grad_out, saved, weight, std::nullopt, grad_residual_out);
   if (graph) check_second_order_possible(saved_is_output, "rms_norm_backward");
   Tensor grad_input, grad_weight;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     std::tie(grad_input, grad_weight) =
-        rms_norm_bwd_op().call(grad_out, saved, rstd, normalized_shape, weight, saved_is_output, grad_residual_out);
+        rms_norm_bwd_op().call(grad_out, saved, rstd, normalized_shape, weight, saved_is_output, grad_residual_out,
+                               weight_offset);
   }
   if (!graph) return {grad_input, grad_weight};
   const FormulaGrads f = backward_formula(grad_out, saved, std::nullopt, rstd,
                                           static_cast<int64_t>(normalized_shape.size()), weight, std::nullopt,
-                                          grad_residual_out, /*rms=*/true);
+                                          grad_residual_out, weight_offset, /*rms=*/true);
   return {with_derivatives(grad_input, f.grad_input), with_derivatives(grad_weight, f.grad_weight)};
 }
 
 // ---- the functional API: the forward ops, less the statistics ------------------------------------------------
 
 Tensor layer_norm(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
-                  const OptTensor& bias, double eps, bool memory_efficient) {
-  return std::get<0>(
-      layer_norm_fwd_op().call(input, normalized_shape, weight, bias, eps, std::nullopt, false, memory_efficient));
+                  const OptTensor& bias, double eps, bool memory_efficient, double weight_offset,
+                  bool cast_before_weight) {
+  return std::get<0>(layer_norm_fwd_op().call(input, normalized_shape, weight, bias, eps, std::nullopt, false,
+                                              memory_efficient, weight_offset, cast_before_weight));
 }
 
 Tensor rms_norm(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
-                std::optional<double> eps, bool memory_efficient) {
-  return std::get<0>(
-      rms_norm_fwd_op().call(input, normalized_shape, weight, eps, std::nullopt, false, memory_efficient));
+                std::optional<double> eps, bool memory_efficient, double weight_offset, bool cast_before_weight) {
+  return std::get<0>(rms_norm_fwd_op().call(input, normalized_shape, weight, eps, std::nullopt, false,
+                                            memory_efficient, weight_offset, cast_before_weight));
 }
 
 std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& input, const Tensor& residual,
                                           c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                                           const OptTensor& bias, double eps, bool residual_in_fp32,
-                                          bool memory_efficient) {
+                                          bool memory_efficient, double weight_offset, bool cast_before_weight) {
   const auto r = layer_norm_fwd_op().call(input, normalized_shape, weight, bias, eps, residual, residual_in_fp32,
-                                          memory_efficient);
+                                          memory_efficient, weight_offset, cast_before_weight);
   return {std::get<0>(r), std::get<1>(r)};
 }
 
 std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& input, const Tensor& residual,
                                         c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
-                                        std::optional<double> eps, bool residual_in_fp32, bool memory_efficient) {
-  const auto r =
-      rms_norm_fwd_op().call(input, normalized_shape, weight, eps, residual, residual_in_fp32, memory_efficient);
+                                        std::optional<double> eps, bool residual_in_fp32, bool memory_efficient,
+                                        double weight_offset, bool cast_before_weight) {
+  const auto r = rms_norm_fwd_op().call(input, normalized_shape, weight, eps, residual, residual_in_fp32,
+                                        memory_efficient, weight_offset, cast_before_weight);
   return {std::get<0>(r), std::get<1>(r)};
 }
 

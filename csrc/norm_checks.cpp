@@ -2,6 +2,8 @@
 // ATen-worded error before any kernel sees it.
 #include "norm.h"
 
+#include <cmath>
+
 #include <c10/util/irange.h>
 
 namespace layernorm_ext {
@@ -140,6 +142,12 @@ NormGeometry check_backward_args(const char* op, const Tensor& grad_out, const T
     check_float(op, "grad_residual_out", *grad_residual_out);
   }
   return g;
+}
+
+void check_weight_offset(const char* op, const OptTensor& weight, double weight_offset) {
+  TORCH_CHECK(std::isfinite(weight_offset), op, ": expected a finite weight_offset, but got ", weight_offset);
+  TORCH_CHECK(weight_offset == 0.0 || weight.has_value(), op, ": weight_offset=", weight_offset,
+              " needs a weight (the scale is weight + weight_offset), but got weight=None");
 }
 
 }  // namespace layernorm_ext

@@ -30,10 +30,11 @@ struct ForwardResult {
 
 ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntArrayRef normalized_shape_sym,
                            const OptTensor& weight_arg, const OptTensor& bias_arg, std::optional<double> eps,
-                           const OptTensor& residual_arg, bool residual_in_fp32, bool rms,
-                           ForwardLauncher launch) {
+                           const OptTensor& residual_arg, bool residual_in_fp32, bool rms, double weight_offset,
+                           bool cast_before_weight, ForwardLauncher launch) {
   const at::IntArrayRef normalized_shape = C10_AS_INTARRAYREF_SLOW(normalized_shape_sym);
   const NormGeometry g = check_forward_args(op, input_arg, normalized_shape, weight_arg, bias_arg, residual_arg);
+  check_weight_offset(op, weight_arg, weight_offset);
   const Tensor input = input_arg.contiguous();
   const OptTensor weight = contiguous(weight_arg);
   const OptTensor bias = contiguous(bias_arg);
@@ -77,6 +78,8 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   p.cols = g.cols;
   p.eps = eps.has_value() ? *eps : default_rms_eps(acc);
   p.rms = rms;
+  p.weight_offset = weight_offset;
+  p.cast_before_weight = cast_before_weight;
   launch(p);
   return r;
 }
@@ -89,10 +92,11 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
                              const OptTensor& mean_arg, const Tensor& rstd_arg,
                              c10::SymIntArrayRef normalized_shape_sym, const OptTensor& weight_arg,
                              const OptTensor& bias_arg, bool saved_is_output, const OptTensor& grad_residual_out_arg,
-                             bool rms, BackwardLauncher launch) {
+                             bool rms, double weight_offset, BackwardLauncher launch) {
   const at::IntArrayRef normalized_shape = C10_AS_INTARRAYREF_SLOW(normalized_shape_sym);
   const NormGeometry g = check_backward_args(op, grad_out_arg, saved_arg, mean_arg, rstd_arg, normalized_shape,
                                              weight_arg, bias_arg, grad_residual_out_arg, saved_is_output);
+  check_weight_offset(op, weight_arg, weight_offset);
   const Tensor grad_out = grad_out_arg.contiguous();
   const Tensor saved = saved_arg.contiguous();
   const OptTensor mean = contiguous(mean_arg);
@@ -138,6 +142,7 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
   p.cols = g.cols;
   p.rms = rms;
   p.saved_is_output = saved_is_output;
+  p.weight_offset = weight_offset;
   launch(p);
   return r;
 }
@@ -148,18 +153,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& input, c
                                                           const OptTensor& weight, const OptTensor& bias,
                                                           double eps, const OptTensor& residual,
                                                           bool residual_in_fp32, bool /*memory_efficient*/,
+                                                          double weight_offset, bool cast_before_weight,
                                                           ForwardLauncher launch) {
   ForwardResult r = norm_forward("layer_norm", input, normalized_shape, weight, bias, eps, residual,
-                                 residual_in_fp32, /*rms=*/false, launch);
+                                 residual_in_fp32, /*rms=*/false, weight_offset, cast_before_weight, launch);
   return {r.out, r.residual_out, r.mean, r.rstd};
 }
 
 std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd(const Tensor& input, c10::SymIntArrayRef normalized_shape,
                                                 const OptTensor& weight, std::optional<double> eps,
                                                 const OptTensor& residual, bool residual_in_fp32,
-                                                bool /*memory_efficient*/, ForwardLauncher launch) {
+                                                bool /*memory_efficient*/, double weight_offset,
+                                                bool cast_before_weight, ForwardLauncher launch) {
   ForwardResult r = norm_forward("rms_norm", input, normalized_shape, weight, std::nullopt, eps, residual,
-                                 residual_in_fp32, /*rms=*/true, launch);
+                                 residual_in_fp32, /*rms=*/true, weight_offset, cast_before_weight, launch);
   return {r.out, r.residual_out, r.rstd};
 }
 
@@ -167,18 +174,19 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const 
                                                   const Tensor& rstd, c10::SymIntArrayRef normalized_shape,
                                                   const OptTensor& weight, const OptTensor& bias,
                                                   bool saved_is_output, const OptTensor& grad_residual_out,
-                                                  BackwardLauncher launch) {
+                                                  double weight_offset, BackwardLauncher launch) {
   BackwardResult r = norm_backward("layer_norm_backward", grad_out, saved, mean, rstd, normalized_shape, weight,
-                                   bias, saved_is_output, grad_residual_out, /*rms=*/false, launch);
+                                   bias, saved_is_output, grad_residual_out, /*rms=*/false, weight_offset, launch);
   return {r.grad_input, r.grad_weight, r.grad_bias};
 }
 
 std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& grad_out, const Tensor& saved, const Tensor& rstd,
                                         c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                                         bool saved_is_output, const OptTensor& grad_residual_out,
-                                        BackwardLauncher launch) {
+                                        double weight_offset, BackwardLauncher launch) {
   BackwardResult r = norm_backward("rms_norm_backward", grad_out, saved, std::nullopt, rstd, normalized_shape,
-                                   weight, std::nullopt, saved_is_output, grad_residual_out, /*rms=*/true, launch);
+                                   weight, std::nullopt, saved_is_output, grad_residual_out, /*rms=*/true,
+                                   weight_offset, launch);
   return {r.grad_input, r.grad_weight};
 }
 

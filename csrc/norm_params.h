@@ -32,6 +32,12 @@ struct NormForwardParams {
   int64_t cols = 0;
   double eps = 0.0;
   bool rms = false;
+  // The numerics of the module being reproduced: the affine scale is weight + weight_offset (1 for Gemma's
+  // `1 + weight`, zero-centred gamma), and cast_before_weight rounds xhat to the output dtype before the
+  // affine (Llama's order: `weight * xhat.to(input_dtype)`), where otherwise xhat * weight + bias is rounded
+  // once. Both need a weight (the op body checks it); rounding to a float32/float64 output changes nothing.
+  double weight_offset = 0.0;
+  bool cast_before_weight = false;
 };
 
 // One backward call. saved is h (saved_is_output = false) or the forward's out (true, the memory-efficient
@@ -56,6 +62,7 @@ struct NormBackwardParams {
   int64_t cols = 0;
   bool rms = false;
   bool saved_is_output = false;
+  double weight_offset = 0.0;  // the forward's: the scale is weight + weight_offset (its gradient, dweight's)
 };
 
 }  // namespace layernorm_ext

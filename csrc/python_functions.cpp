@@ -25,12 +25,15 @@ const c10::TypedOperatorHandle<Signature>& op_handle(const char* name) {
   return handle;
 }
 
-using LayerNormSig = Tensor(const Tensor&, c10::SymIntArrayRef, const OptTensor&, const OptTensor&, double, bool);
-using RmsNormSig = Tensor(const Tensor&, c10::SymIntArrayRef, const OptTensor&, std::optional<double>, bool);
+using LayerNormSig = Tensor(const Tensor&, c10::SymIntArrayRef, const OptTensor&, const OptTensor&, double, bool,
+                            double, bool);
+using RmsNormSig = Tensor(const Tensor&, c10::SymIntArrayRef, const OptTensor&, std::optional<double>, bool, double,
+                          bool);
 using AddLayerNormSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, c10::SymIntArrayRef,
-                                                   const OptTensor&, const OptTensor&, double, bool, bool);
+                                                   const OptTensor&, const OptTensor&, double, bool, bool, double,
+                                                   bool);
 using AddRmsNormSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, c10::SymIntArrayRef, const OptTensor&,
-                                                 std::optional<double>, bool, bool);
+                                                 std::optional<double>, bool, bool, double, bool);
 
 PyObject* wrap(Tensor out) { return THPVariable_Wrap(std::move(out)); }
 
@@ -68,46 +71,50 @@ PyObject* call_without_gil(const char* op, const Args&... args) {
 PyObject* layer_norm(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
   static torch::PythonArgParser parser({
       "layer_norm(Tensor input, SymIntArrayRef normalized_shape, Tensor? weight=None, Tensor? bias=None, "
-      "double eps=1e-05, bool memory_efficient=False)",
+      "double eps=1e-05, bool memory_efficient=False, double weight_offset=0, bool cast_before_weight=False)",
   });
-  return parse_and_call<6>(parser, args, kwargs, [](torch::PythonArgs& r) {
+  return parse_and_call<8>(parser, args, kwargs, [](torch::PythonArgs& r) {
     return call_without_gil<LayerNormSig>("layernorm_ext::layer_norm", r.tensor(0), r.symintlist(1),
-                                          r.optionalTensor(2), r.optionalTensor(3), r.toDouble(4), r.toBool(5));
+                                          r.optionalTensor(2), r.optionalTensor(3), r.toDouble(4), r.toBool(5),
+                                          r.toDouble(6), r.toBool(7));
   });
 }
 
 PyObject* rms_norm(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
   static torch::PythonArgParser parser({
       "rms_norm(Tensor input, SymIntArrayRef normalized_shape, Tensor? weight=None, double? eps=None, "
-      "bool memory_efficient=False)",
+      "bool memory_efficient=False, double weight_offset=0, bool cast_before_weight=False)",
   });
-  return parse_and_call<5>(parser, args, kwargs, [](torch::PythonArgs& r) {
+  return parse_and_call<7>(parser, args, kwargs, [](torch::PythonArgs& r) {
     return call_without_gil<RmsNormSig>("layernorm_ext::rms_norm", r.tensor(0), r.symintlist(1),
-                                        r.optionalTensor(2), r.toDoubleOptional(3), r.toBool(4));
+                                        r.optionalTensor(2), r.toDoubleOptional(3), r.toBool(4), r.toDouble(5),
+                                        r.toBool(6));
   });
 }
 
 PyObject* add_layer_norm(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
   static torch::PythonArgParser parser({
       "add_layer_norm(Tensor input, Tensor residual, SymIntArrayRef normalized_shape, Tensor? weight=None, "
-      "Tensor? bias=None, double eps=1e-05, bool residual_in_fp32=False, bool memory_efficient=False)",
+      "Tensor? bias=None, double eps=1e-05, bool residual_in_fp32=False, bool memory_efficient=False, "
+      "double weight_offset=0, bool cast_before_weight=False)",
   });
-  return parse_and_call<8>(parser, args, kwargs, [](torch::PythonArgs& r) {
+  return parse_and_call<10>(parser, args, kwargs, [](torch::PythonArgs& r) {
     return call_without_gil<AddLayerNormSig>("layernorm_ext::add_layer_norm", r.tensor(0), r.tensor(1),
                                              r.symintlist(2), r.optionalTensor(3), r.optionalTensor(4),
-                                             r.toDouble(5), r.toBool(6), r.toBool(7));
+                                             r.toDouble(5), r.toBool(6), r.toBool(7), r.toDouble(8), r.toBool(9));
   });
 }
 
 PyObject* add_rms_norm(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
   static torch::PythonArgParser parser({
       "add_rms_norm(Tensor input, Tensor residual, SymIntArrayRef normalized_shape, Tensor? weight=None, "
-      "double? eps=None, bool residual_in_fp32=False, bool memory_efficient=False)",
+      "double? eps=None, bool residual_in_fp32=False, bool memory_efficient=False, double weight_offset=0, "
+      "bool cast_before_weight=False)",
   });
-  return parse_and_call<7>(parser, args, kwargs, [](torch::PythonArgs& r) {
+  return parse_and_call<9>(parser, args, kwargs, [](torch::PythonArgs& r) {
     return call_without_gil<AddRmsNormSig>("layernorm_ext::add_rms_norm", r.tensor(0), r.tensor(1),
                                            r.symintlist(2), r.optionalTensor(3), r.toDoubleOptional(4),
-                                           r.toBool(5), r.toBool(6));
+                                           r.toBool(5), r.toBool(6), r.toDouble(7), r.toBool(8));
   });
 }
 

@@ -7,6 +7,7 @@ Keep the two in step: tests/test_errors.py runs every bad-argument case through 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -98,6 +99,15 @@ def check_forward(
             _fail(op, f"expected residual to have the same shape as input, but got residual of shape "
                       f"{_sizes(residual.shape)} and input of shape {_sizes(input.shape)}")
     return stats
+
+
+def check_weight_offset(op: str, weight: Tensor | None, weight_offset: float) -> None:
+    """check_weight_offset: finite, and nonzero only with a weight."""
+    if not math.isfinite(weight_offset):
+        _fail(op, f"expected a finite weight_offset, but got {weight_offset:g}")
+    if weight_offset != 0.0 and weight is None:
+        _fail(op, f"weight_offset={weight_offset:g} needs a weight (the scale is weight + weight_offset), but got "
+                  "weight=None")
 
 
 def check_backward(

@@ -25,6 +25,14 @@ _is_compiling = torch.compiler.is_compiling
 
 ShapeLike = int | Sequence[int] | torch.Size
 
+_NUMERICS_DOC = """
+    Numerics of other norm modules (defaults: ATen's): ``weight_offset`` makes the scale ``weight +
+    weight_offset`` (1.0 reproduces Gemma's ``1 + weight`` and zero-centred gamma; the gradient reaches weight
+    unchanged). ``cast_before_weight=True`` rounds the normalized rows to the input dtype before the affine
+    (Llama's ``weight * xhat.to(input_dtype)``), where otherwise ``xhat * weight + bias`` is rounded once; it
+    changes nothing for float32 / float64 input, and backward passes the gradient straight through the rounding.
+"""
+
 
 def _as_shape(normalized_shape: ShapeLike) -> Sequence[int]:
     """A single size (int, SymInt while tracing, numpy integer) as a one-dim shape."""
@@ -39,26 +47,30 @@ def layer_norm(
     eps: float = 1e-5,
     *,
     memory_efficient: bool = False,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
 ) -> Tensor:
     """LayerNorm over the trailing ``normalized_shape`` dims, as ``torch.nn.functional.layer_norm``.
 
     ``memory_efficient=True`` saves the output instead of the input for backward (same gradients).
     """
-    return _layer_norm(input, normalized_shape, weight, bias, eps, memory_efficient)
+    return _layer_norm(input, normalized_shape, weight, bias, eps, memory_efficient, weight_offset,
+                       cast_before_weight)  # fmt: skip
 
 
 # The bodies, with every argument positional: the modules call these (a keyword argument costs a dict per call).
 def _layer_norm(
     input: Tensor, normalized_shape: ShapeLike, weight: Tensor | None, bias: Tensor | None, eps: float,
-    memory_efficient: bool,
+    memory_efficient: bool, weight_offset: float = 0.0, cast_before_weight: bool = False,
 ) -> Tensor:
     if has_torch_function_variadic(input, weight, bias):
         return handle_torch_function(
             layer_norm, (input, weight, bias), input, normalized_shape, weight, bias, eps,
-            memory_efficient=memory_efficient,
+            memory_efficient=memory_efficient, weight_offset=weight_offset, cast_before_weight=cast_before_weight,
         )  # fmt: skip
     entry = _ops.layer_norm.default if _is_compiling() else native.layer_norm
-    return entry(input, _as_shape(normalized_shape), weight, bias, eps, memory_efficient)
+    return entry(input, _as_shape(normalized_shape), weight, bias, eps, memory_efficient, weight_offset,
+                 cast_before_weight)  # fmt: skip
 
 
 def rms_norm(
@@ -68,24 +80,28 @@ def rms_norm(
     eps: float | None = None,
     *,
     memory_efficient: bool = False,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
 ) -> Tensor:
     """RMSNorm as ``torch.nn.functional.rms_norm``.
 
     ``eps=None`` means, as in ATen, the machine epsilon of the compute dtype: ``finfo(float32).eps`` for
     float32/float16/bfloat16 input, ``finfo(float64).eps`` for float64.
     """
-    return _rms_norm(input, normalized_shape, weight, eps, memory_efficient)
+    return _rms_norm(input, normalized_shape, weight, eps, memory_efficient, weight_offset, cast_before_weight)
 
 
 def _rms_norm(
-    input: Tensor, normalized_shape: ShapeLike, weight: Tensor | None, eps: float | None, memory_efficient: bool
+    input: Tensor, normalized_shape: ShapeLike, weight: Tensor | None, eps: float | None, memory_efficient: bool,
+    weight_offset: float = 0.0, cast_before_weight: bool = False,
 ) -> Tensor:
     if has_torch_function_variadic(input, weight):
         return handle_torch_function(
-            rms_norm, (input, weight), input, normalized_shape, weight, eps, memory_efficient=memory_efficient
-        )
+            rms_norm, (input, weight), input, normalized_shape, weight, eps, memory_efficient=memory_efficient,
+            weight_offset=weight_offset, cast_before_weight=cast_before_weight,
+        )  # fmt: skip
     entry = _ops.rms_norm.default if _is_compiling() else native.rms_norm
-    return entry(input, _as_shape(normalized_shape), weight, eps, memory_efficient)
+    return entry(input, _as_shape(normalized_shape), weight, eps, memory_efficient, weight_offset, cast_before_weight)
 
 
 def add_layer_norm(
@@ -98,6 +114,8 @@ def add_layer_norm(
     residual_in_fp32: bool = False,
     *,
     memory_efficient: bool = False,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Pre-norm block: ``h = input + residual; out = layer_norm(h)``, fused. Returns ``(out, h)``.
 
@@ -107,10 +125,12 @@ def add_layer_norm(
     if has_torch_function_variadic(input, residual, weight, bias):
         return handle_torch_function(
             add_layer_norm, (input, residual, weight, bias), input, residual, normalized_shape, weight, bias, eps,
-            residual_in_fp32, memory_efficient=memory_efficient,
+            residual_in_fp32, memory_efficient=memory_efficient, weight_offset=weight_offset,
+            cast_before_weight=cast_before_weight,
         )  # fmt: skip
     entry = _ops.add_layer_norm.default if _is_compiling() else native.add_layer_norm
-    return entry(input, residual, _as_shape(normalized_shape), weight, bias, eps, residual_in_fp32, memory_efficient)
+    return entry(input, residual, _as_shape(normalized_shape), weight, bias, eps, residual_in_fp32, memory_efficient,
+                 weight_offset, cast_before_weight)  # fmt: skip
 
 
 def add_rms_norm(
@@ -122,6 +142,8 @@ def add_rms_norm(
     residual_in_fp32: bool = False,
     *,
     memory_efficient: bool = False,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Pre-norm block: ``h = input + residual; out = rms_norm(h)``, fused. Returns ``(out, h)``.
 
@@ -130,7 +152,14 @@ def add_rms_norm(
     if has_torch_function_variadic(input, residual, weight):
         return handle_torch_function(
             add_rms_norm, (input, residual, weight), input, residual, normalized_shape, weight, eps,
-            residual_in_fp32, memory_efficient=memory_efficient,
+            residual_in_fp32, memory_efficient=memory_efficient, weight_offset=weight_offset,
+            cast_before_weight=cast_before_weight,
         )  # fmt: skip
     entry = _ops.add_rms_norm.default if _is_compiling() else native.add_rms_norm
-    return entry(input, residual, _as_shape(normalized_shape), weight, eps, residual_in_fp32, memory_efficient)
+    return entry(input, residual, _as_shape(normalized_shape), weight, eps, residual_in_fp32, memory_efficient,
+                 weight_offset, cast_before_weight)  # fmt: skip
+
+
+for _fn in (layer_norm, rms_norm, add_layer_norm, add_rms_norm):
+    _fn.__doc__ = (_fn.__doc__ or "") + _NUMERICS_DOC
+del _fn

@@ -2,7 +2,10 @@
 
 They subclass the torch modules, so constructor arguments, attributes, parameter names, initialization,
 ``extra_repr``, state_dict and ``isinstance`` checks are exactly torch's; only ``forward`` runs our kernels
-and additionally accepts a residual to fuse (pre-norm block).
+and additionally accepts a residual to fuse (pre-norm block). Beyond torch's arguments, the numerics of other
+norm modules (functional.py): ``weight_offset`` (the scale is ``weight + weight_offset``; the weight then starts
+at ``1 - weight_offset``, zeros for Gemma's 1, so that a new module is still the identity scale) and
+``cast_before_weight`` (Llama's order of rounding).
 """
 
 from __future__ import annotations
@@ -18,7 +21,35 @@ from . import functional as F
 _ShapeArg = int | Sequence[int] | torch.Size
 
 
-class FusedLayerNorm(torch.nn.LayerNorm):
+class _Numerics:
+    """The numerics options shared by both modules (a mixin of torch's module classes)."""
+
+    weight: torch.nn.Parameter | None
+    weight_offset: float = 0.0
+    cast_before_weight: bool = False
+
+    def _set_numerics(self, memory_efficient: bool, weight_offset: float, cast_before_weight: bool) -> None:
+        self.memory_efficient = memory_efficient
+        self.weight_offset = float(weight_offset)
+        self.cast_before_weight = bool(cast_before_weight)
+        if self.weight_offset != 0.0:
+            self._init_weight_for_offset()
+
+    def _init_weight_for_offset(self) -> None:
+        if self.weight is not None and self.weight_offset != 0.0:
+            with torch.no_grad():
+                self.weight.fill_(1.0 - self.weight_offset)
+
+    def _numerics_repr(self) -> str:
+        extra = ""
+        if self.weight_offset != 0.0:
+            extra += f", weight_offset={self.weight_offset}"
+        if self.cast_before_weight:
+            extra += ", cast_before_weight=True"
+        return extra
+
+
+class FusedLayerNorm(_Numerics, torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` with fused kernels.
 
     ``forward(x)`` returns ``layer_norm(x)``; ``forward(x, residual)`` returns ``(layer_norm(x + residual),
@@ -34,13 +65,23 @@ class FusedLayerNorm(torch.nn.LayerNorm):
         device: Any = None,
         dtype: torch.dtype | None = None,
         memory_efficient: bool = False,
+        weight_offset: float = 0.0,
+        cast_before_weight: bool = False,
     ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
-        self.memory_efficient = memory_efficient
+        self._set_numerics(memory_efficient, weight_offset, cast_before_weight)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        self._init_weight_for_offset()
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + self._numerics_repr()
 
     def forward(self, input: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         if residual is None:
-            return F._layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, self.memory_efficient)
+            return F._layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, self.memory_efficient,
+                                 self.weight_offset, self.cast_before_weight)  # fmt: skip
         return F.add_layer_norm(
             input,
             residual,
@@ -49,10 +90,12 @@ class FusedLayerNorm(torch.nn.LayerNorm):
             self.bias,
             self.eps,
             memory_efficient=self.memory_efficient,
+            weight_offset=self.weight_offset,
+            cast_before_weight=self.cast_before_weight,
         )
 
 
-class FusedRMSNorm(torch.nn.RMSNorm):
+class FusedRMSNorm(_Numerics, torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` with fused kernels; ``forward(x, residual)`` as in :class:`FusedLayerNorm`."""
 
     def __init__(
@@ -63,13 +106,30 @@ class FusedRMSNorm(torch.nn.RMSNorm):
         device: Any = None,
         dtype: torch.dtype | None = None,
         memory_efficient: bool = False,
+        weight_offset: float = 0.0,
+        cast_before_weight: bool = False,
     ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
-        self.memory_efficient = memory_efficient
+        self._set_numerics(memory_efficient, weight_offset, cast_before_weight)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        self._init_weight_for_offset()
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + self._numerics_repr()
 
     def forward(self, input: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         if residual is None:
-            return F._rms_norm(input, self.normalized_shape, self.weight, self.eps, self.memory_efficient)
+            return F._rms_norm(input, self.normalized_shape, self.weight, self.eps, self.memory_efficient,
+                               self.weight_offset, self.cast_before_weight)  # fmt: skip
         return F.add_rms_norm(
-            input, residual, self.normalized_shape, self.weight, self.eps, memory_efficient=self.memory_efficient
+            input,
+            residual,
+            self.normalized_shape,
+            self.weight,
+            self.eps,
+            memory_efficient=self.memory_efficient,
+            weight_offset=self.weight_offset,
+            cast_before_weight=self.cast_before_weight,
         )

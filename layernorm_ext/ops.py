@@ -40,8 +40,10 @@ def _fake_forward(
     bias: Tensor | None,
     residual: Tensor | None,
     residual_in_fp32: bool,
+    weight_offset: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual)
+    _checks.check_weight_offset(op, weight, weight_offset)
     h_dtype = input.dtype if residual is None else residual_out_dtype(input, residual, residual_in_fp32)
     out = input.new_empty(input.shape)
     residual_out = input.new_empty(input.shape if residual is not None else (0,), dtype=h_dtype)
@@ -59,9 +61,11 @@ def _layer_norm_fwd_fake(
     residual: Tensor | None = None,
     residual_in_fp32: bool = False,
     memory_efficient: bool = False,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     out, residual_out, stat = _fake_forward(
-        "layer_norm", input, normalized_shape, weight, bias, residual, residual_in_fp32
+        "layer_norm", input, normalized_shape, weight, bias, residual, residual_in_fp32, weight_offset
     )
     return out, residual_out, stat, torch.empty_like(stat)
 
@@ -75,8 +79,10 @@ def _rms_norm_fwd_fake(
     residual: Tensor | None = None,
     residual_in_fp32: bool = False,
     memory_efficient: bool = False,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _fake_forward("rms_norm", input, normalized_shape, weight, None, residual, residual_in_fp32)
+    return _fake_forward("rms_norm", input, normalized_shape, weight, None, residual, residual_in_fp32, weight_offset)
 
 
 def _param_grad_placeholder(saved: Tensor, param: Tensor | None, other: Tensor | None) -> Tensor:
@@ -97,11 +103,13 @@ def _layer_norm_bwd_fake(
     bias: Tensor | None,
     saved_is_output: bool = False,
     grad_residual_out: Tensor | None = None,
+    weight_offset: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _checks.check_backward(
         "layer_norm_backward", grad_out, saved, mean, rstd, normalized_shape, weight, bias, grad_residual_out,
         saved_is_output,
     )
+    _checks.check_weight_offset("layer_norm_backward", weight, weight_offset)
     return (
         saved.new_empty(saved.shape),
         _param_grad_placeholder(saved, weight, bias),
@@ -118,11 +126,13 @@ def _rms_norm_bwd_fake(
     weight: Tensor | None,
     saved_is_output: bool = False,
     grad_residual_out: Tensor | None = None,
+    weight_offset: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     _checks.check_backward(
         "rms_norm_backward", grad_out, saved, None, rstd, normalized_shape, weight, None, grad_residual_out,
         saved_is_output,
     )
+    _checks.check_weight_offset("rms_norm_backward", weight, weight_offset)
     return saved.new_empty(saved.shape), _param_grad_placeholder(saved, weight, None)
 
 

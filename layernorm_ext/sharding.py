@@ -66,7 +66,8 @@ Strategies = list[tuple[list[Any], list[Any]]]
 # on one mesh dim, (output placements, input placements), None for arguments that are not tensors.
 def _layer_norm_fwd(
     input: Any, normalized_shape: Sequence[int], weight: Any, bias: Any, eps: float, residual: Any = None,
-    residual_in_fp32: bool = False, memory_efficient: bool = False,
+    residual_in_fp32: bool = False, memory_efficient: bool = False, weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
 ) -> Strategies:
     from torch.distributed.tensor import Replicate
 
@@ -80,7 +81,8 @@ def _layer_norm_fwd(
 
 def _rms_norm_fwd(
     input: Any, normalized_shape: Sequence[int], weight: Any, eps: float | None, residual: Any = None,
-    residual_in_fp32: bool = False, memory_efficient: bool = False,
+    residual_in_fp32: bool = False, memory_efficient: bool = False, weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
 ) -> Strategies:
     from torch.distributed.tensor import Replicate
 
@@ -94,7 +96,7 @@ def _rms_norm_fwd(
 
 def _layer_norm_bwd(
     grad_out: Any, saved: Any, mean: Any, rstd: Any, normalized_shape: Sequence[int], weight: Any, bias: Any,
-    saved_is_output: bool = False, grad_residual_out: Any = None,
+    saved_is_output: bool = False, grad_residual_out: Any = None, weight_offset: float = 0.0,
 ) -> Strategies:
     from torch.distributed.tensor import Replicate
 
@@ -109,7 +111,7 @@ def _layer_norm_bwd(
 
 def _rms_norm_bwd(
     grad_out: Any, saved: Any, rstd: Any, normalized_shape: Sequence[int], weight: Any,
-    saved_is_output: bool = False, grad_residual_out: Any = None,
+    saved_is_output: bool = False, grad_residual_out: Any = None, weight_offset: float = 0.0,
 ) -> Strategies:
     from torch.distributed.tensor import Replicate
 
@@ -126,7 +128,7 @@ def _rms_norm_bwd(
 # torch before 2.8 does not decompose them there), so they get the forward ops' strategies, less the statistics.
 def _layer_norm(
     input: Any, normalized_shape: Sequence[int], weight: Any = None, bias: Any = None, eps: float = 1e-5,
-    memory_efficient: bool = False,
+    memory_efficient: bool = False, weight_offset: float = 0.0, cast_before_weight: bool = False,
 ) -> Strategies:
     from torch.distributed.tensor import Replicate
 
@@ -136,7 +138,7 @@ def _layer_norm(
 
 def _rms_norm(
     input: Any, normalized_shape: Sequence[int], weight: Any = None, eps: float | None = None,
-    memory_efficient: bool = False,
+    memory_efficient: bool = False, weight_offset: float = 0.0, cast_before_weight: bool = False,
 ) -> Strategies:
     from torch.distributed.tensor import Replicate
 
@@ -145,7 +147,8 @@ def _rms_norm(
 
 def _add_layer_norm(
     input: Any, residual: Any, normalized_shape: Sequence[int], weight: Any = None, bias: Any = None,
-    eps: float = 1e-5, residual_in_fp32: bool = False, memory_efficient: bool = False,
+    eps: float = 1e-5, residual_in_fp32: bool = False, memory_efficient: bool = False, weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
 ) -> Strategies:
     from torch.distributed.tensor import Replicate
 
@@ -155,7 +158,8 @@ def _add_layer_norm(
 
 def _add_rms_norm(
     input: Any, residual: Any, normalized_shape: Sequence[int], weight: Any = None, eps: float | None = None,
-    residual_in_fp32: bool = False, memory_efficient: bool = False,
+    residual_in_fp32: bool = False, memory_efficient: bool = False, weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
 ) -> Strategies:
     from torch.distributed.tensor import Replicate
 

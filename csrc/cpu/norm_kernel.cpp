@@ -199,15 +199,18 @@ class ScratchLease {
   }
 };
 
-// The parameter as To: itself when it has that dtype, else converted into the lease's buffer.
+// The parameter plus offset as To: itself when it has that dtype and no offset, else converted into the
+// lease's buffer (the sum rounded once in To, as `1.0 + weight.float()` is).
 template <typename To, int kSlot>
-const To* param_as(const void* ptr, ScalarType type, int64_t cols, ScratchLease<To, kSlot>& lease) {
+const To* param_as(const void* ptr, ScalarType type, int64_t cols, ScratchLease<To, kSlot>& lease,
+                   double offset = 0.0) {
   if (ptr == nullptr) return nullptr;
-  if (type == scalar_type_of<To>()) return static_cast<const To*>(ptr);
+  if (type == scalar_type_of<To>() && offset == 0.0) return static_cast<const To*>(ptr);
   To* v = lease.get(cols);
+  const To add = static_cast<To>(offset);
   visit_param_dtype(type, [&](auto tag) {
     const auto* src = static_cast<const decltype(tag)*>(ptr);
-    for (int64_t j = 0; j < cols; ++j) v[j] = static_cast<To>(src[j]);
+    for (int64_t j = 0; j < cols; ++j) v[j] = static_cast<To>(src[j]) + add;
   });
   return v;
 }
@@ -286,7 +289,7 @@ template <typename C>
 void forward_with(const NormForwardParams& p, const RowKernels& k) {
   ScratchLease<C, kWeightSlot> weight_scratch;
   ScratchLease<C, kBiasSlot> bias_scratch;
-  const C* weight = param_as(p.weight, p.weight_type, p.cols, weight_scratch);
+  const C* weight = param_as(p.weight, p.weight_type, p.cols, weight_scratch, p.weight_offset);
   const C* bias = param_as(p.bias, p.weight_type, p.cols, bias_scratch);
   const Dtype src = to_dtype(p.residual != nullptr ? p.h_type : p.input_type);
   const ForwardRowsFn rows_fn = k.forward_rows(src, to_dtype(p.input_type));
@@ -308,6 +311,7 @@ void forward_with(const NormForwardParams& p, const RowKernels& k) {
   a.rstd = p.rstd;
   a.cols = p.cols;
   a.eps = p.eps;
+  a.cast_before_weight = p.cast_before_weight;
   a.rms = p.rms;
   if (split_rows(p.rows, p.cols)) {
     forward_split<C>(p, k, a, src);
@@ -445,10 +449,10 @@ void backward(const NormBackwardParams& p) {
   a.mean = p.mean;
   a.rstd = p.rstd;
   if (float_math) {
-    a.weight_f = param_as(p.weight, p.weight_type, p.cols, weight_f_scratch);
+    a.weight_f = param_as(p.weight, p.weight_type, p.cols, weight_f_scratch, p.weight_offset);
     a.bias_f = param_as(p.bias, p.weight_type, p.cols, bias_f_scratch);
   } else {
-    a.weight = param_as(p.weight, p.weight_type, p.cols, weight_scratch);
+    a.weight = param_as(p.weight, p.weight_type, p.cols, weight_scratch, p.weight_offset);
     a.bias = param_as(p.bias, p.weight_type, p.cols, bias_scratch);
   }
   a.grad_input = p.grad_input;

@@ -18,7 +18,8 @@ using AddRowFn = void (*)(const void* x, const void* r, void* h, int64_t offset,
 
 // Forward over rows [begin, end). Row r reads src = input (or, with a residual, h written by add_row first),
 // writes out, and the statistics. weight/bias: nullptr or cols values of the compute type (float, or double
-// when the rows are float64).
+// when the rows are float64), weight_offset already added. cast_before_weight: xhat is rounded to out's dtype
+// before the affine (NormForwardParams).
 struct ForwardRows {
   const void* input;
   const void* residual;  // nullptr: no fused residual
@@ -32,6 +33,7 @@ struct ForwardRows {
   int64_t cols;
   double eps;
   bool rms;
+  bool cast_before_weight;
 };
 using ForwardRowsFn = void (*)(const ForwardRows& a, int64_t begin, int64_t end);
 

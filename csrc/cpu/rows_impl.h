@@ -462,44 +462,58 @@ void add_row(const void* x_ptr, const void* r_ptr, void* h_ptr, int64_t offset, 
 
 // ---- forward ------------------------------------------------------------------------------------------------
 // out = xhat * weight + bias over one row, xhat = (x - hi) * rstd - lo * rstd (LayerNorm) or x * rstd (RMSNorm);
-// the flags are template arguments so that the loop has no branch but the tail.
+// the flags are template arguments so that the loop has no branch but the tail. round_first (cast_before_weight,
+// only with a weight) rounds xhat to Y before the affine; for a Y of the compute type that is no rounding at all.
 template <bool kRms, bool kWeight, bool kBias, class C, class S, class Y>
-inline void normalize_row(const S* src, Y* out, const C* weight, const C* bias, int64_t n, C hi, C lo, C rstd) {
+inline void normalize_row(const S* src, Y* out, const C* weight, const C* bias, int64_t n, C hi, C lo, C rstd,
+                          bool round_first) {
   constexpr int64_t L = kLanes<C>;
   const Vec<C> hi_v = broadcast<C>(hi), lo_scaled = broadcast<C>(lo * rstd), scale = broadcast<C>(rstd);
-  auto normalize = [&](Vec<C> x, int64_t j, int64_t count) {
+  auto normalize = [&](Vec<C> x, int64_t j, int64_t count, auto round_tag) {
     Vec<C> y;
     if constexpr (kRms) {
       y = x * scale;
     } else {
       y = (x - hi_v) * scale - lo_scaled;  // x - hi is exact near the mean; lo * rstd is the small rest
     }
+    if constexpr (decltype(round_tag)::value) {
+      Y rounded[L];
+      store<C>(rounded, y);
+      y = load<C>(rounded);
+    }
     if constexpr (kWeight) y = y * load_at<C>(weight, j, count);
     if constexpr (kBias) y = y + load_at<C>(bias, j, count);
     return y;
   };
-  int64_t j = 0;
-  for (; j + L <= n; j += L) store<C>(out + j, normalize(load<C>(src + j), j, L));
-  if (j < n) store_part<C>(out + j, normalize(load_part<C>(src + j, n - j), j, n - j), n - j);
+  auto run = [&](auto round_tag) {
+    int64_t j = 0;
+    for (; j + L <= n; j += L) store<C>(out + j, normalize(load<C>(src + j), j, L, round_tag));
+    if (j < n) store_part<C>(out + j, normalize(load_part<C>(src + j, n - j), j, n - j, round_tag), n - j);
+  };
+  if constexpr (kWeight && !std::is_same_v<C, Y>) {
+    if (round_first) return run(std::true_type{});
+  }
+  run(std::false_type{});
 }
 
 // normalize_row with the flags of this call.
 template <class C, class S, class Y>
-inline void normalize(bool rms, const S* src, Y* out, const C* weight, const C* bias, int64_t n, C hi, C lo, C rstd) {
+inline void normalize(bool rms, const S* src, Y* out, const C* weight, const C* bias, int64_t n, C hi, C lo, C rstd,
+                      bool round_first) {
   if (rms) {
     if (weight != nullptr) {
-      normalize_row<true, true, false>(src, out, weight, bias, n, hi, lo, rstd);
+      normalize_row<true, true, false>(src, out, weight, bias, n, hi, lo, rstd, round_first);
     } else {
-      normalize_row<true, false, false>(src, out, weight, bias, n, hi, lo, rstd);
+      normalize_row<true, false, false>(src, out, weight, bias, n, hi, lo, rstd, round_first);
     }
   } else if (weight != nullptr && bias != nullptr) {
-    normalize_row<false, true, true>(src, out, weight, bias, n, hi, lo, rstd);
+    normalize_row<false, true, true>(src, out, weight, bias, n, hi, lo, rstd, round_first);
   } else if (weight != nullptr) {
-    normalize_row<false, true, false>(src, out, weight, bias, n, hi, lo, rstd);
+    normalize_row<false, true, false>(src, out, weight, bias, n, hi, lo, rstd, round_first);
   } else if (bias != nullptr) {
-    normalize_row<false, false, true>(src, out, weight, bias, n, hi, lo, rstd);
+    normalize_row<false, false, true>(src, out, weight, bias, n, hi, lo, rstd, round_first);
   } else {
-    normalize_row<false, false, false>(src, out, weight, bias, n, hi, lo, rstd);
+    normalize_row<false, false, false>(src, out, weight, bias, n, hi, lo, rstd, round_first);
   }
 }
 
@@ -512,6 +526,7 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
   const C* weight = static_cast<const C*>(a.weight);
   const C* bias = static_cast<const C*>(a.bias);
   const bool rms = a.rms;
+  const bool round_first = a.cast_before_weight;
   const double eps = a.eps;
   C* mean_out = static_cast<C*>(a.mean);
   C* rstd_out = static_cast<C*>(a.rstd);
@@ -567,7 +582,7 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
     if (mean_out != nullptr) mean_out[row] = mean_hi;
     rstd_out[row] = rstd;
 
-    normalize(rms, src, out, weight, bias, n, mean_hi, mean_lo, rstd);
+    normalize(rms, src, out, weight, bias, n, mean_hi, mean_lo, rstd, round_first);
   }
 }
 
@@ -974,7 +989,7 @@ void segment_normalize(const ForwardRows& a, int64_t row, int64_t c0, int64_t c1
   const C* bias = a.bias != nullptr ? static_cast<const C*>(a.bias) + c0 : nullptr;
   const C hi = static_cast<C>(mean), lo = static_cast<C>(mean - static_cast<double>(hi));
   const C scale = static_cast<C>(rstd);
-  normalize(a.rms, src, out, weight, bias, c1 - c0, hi, lo, scale);
+  normalize(a.rms, src, out, weight, bias, c1 - c0, hi, lo, scale, a.cast_before_weight);
 }
 
 // Backward over columns [c0, c1) of one row: the three sums, then (given the whole row's sums) dx and the

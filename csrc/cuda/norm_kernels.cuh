@@ -212,6 +212,8 @@ struct ForwardArgs {
   int64_t units;    // cols / kVec
   double inv_cols;  // 1 / cols, rounded once on the host
   double eps;
+  A weight_offset;          // the scale is weight + weight_offset
+  bool cast_before_weight;  // xhat rounded to the output dtype before the affine (Llama's order)
   ScalarType residual_type;
   int lanes;         // threads per row
   int rows_per_block;
@@ -241,7 +243,8 @@ struct RowStats {
   A shift, corr, rstd;
 };
 
-// out = xhat * weight + bias (LayerNorm) or xhat * weight (RMSNorm), for one pack.
+// out = xhat * scale + bias (LayerNorm) or xhat * scale (RMSNorm), scale = weight + weight_offset, for one
+// pack; with cast_before_weight xhat is rounded to the output dtype first.
 template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
 __device__ __forceinline__ void normalize_store(const ForwardArgs<A>& a, int64_t row, int64_t col_unit,
                                                 const A (&h)[kVec], const RowStats<A>& st) {
@@ -249,10 +252,14 @@ __device__ __forceinline__ void normalize_store(const ForwardArgs<A>& a, int64_t
 #pragma unroll
   for (int j = 0; j < kVec; ++j) y[j] = kRms ? h[j] * st.rstd : ((h[j] - st.shift) - st.corr) * st.rstd;
   if (a.weight != nullptr) {
+    if (a.cast_before_weight) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) y[j] = to_acc<A>(from_acc<Tin>(y[j]));
+    }
     A w[kVec];
     load_pack<A, Tw, kVec>(a.weight, col_unit, w);
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) y[j] *= w[j];
+    for (int j = 0; j < kVec; ++j) y[j] *= w[j] + a.weight_offset;
   }
   if (!kRms && a.bias != nullptr) {
     A b[kVec];
@@ -463,6 +470,7 @@ struct BackwardArgs {
   int64_t cols;
   int64_t units;
   double inv_cols;
+  A weight_offset;  // the forward's scale is weight + weight_offset
   bool saved_is_output;
   int lanes;
   int rows_per_block;
@@ -480,6 +488,8 @@ __device__ __forceinline__ void backward_load(const BackwardArgs<A>& a, int64_t 
   A w[kVec];
   if (a.weight != nullptr) {
     load_pack<A, Tw, kVec>(a.weight, col_unit, w);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) w[j] += a.weight_offset;
   } else {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) w[j] = A(1);
@@ -843,6 +853,8 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
   a.units = p.cols / kVec;
   a.inv_cols = 1.0 / static_cast<double>(p.cols);
   a.eps = p.eps;
+  a.weight_offset = static_cast<A>(p.weight_offset);
+  a.cast_before_weight = p.cast_before_weight;
   a.residual_type = p.residual_type;
   constexpr int kMax = max_packs<A, kVec>(false);
   const RowPlan plan = plan_rows(a.units, kMax);
@@ -923,6 +935,7 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
   a.cols = p.cols;
   a.units = p.cols / kVec;
   a.inv_cols = 1.0 / static_cast<double>(p.cols);
+  a.weight_offset = static_cast<A>(p.weight_offset);
   a.saved_is_output = p.saved_is_output;
   constexpr int kMax = max_packs<A, kVec>(true);
   const RowPlan plan = plan_rows(a.units, kMax);

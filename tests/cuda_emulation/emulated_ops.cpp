@@ -45,25 +45,42 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("last_workspace_bytes", [] { return cuda::last_workspace_bytes; },
         "bytes of the last workspace request (the backward's dweight / dbias partial buffers)");
   m.def("reset_workspace_bytes", [] { cuda::last_workspace_bytes = 0; });
-  m.def("layer_norm_fwd", [](const Tensor& input, const std::vector<int64_t>& shape, const OptTensor& weight,
-                             const OptTensor& bias, double eps, const OptTensor& residual, bool residual_in_fp32) {
-    return layernorm_ext::layer_norm_fwd(input, sym(shape), weight, bias, eps, residual, residual_in_fp32, false,
-                                         forward);
-  });
-  m.def("rms_norm_fwd", [](const Tensor& input, const std::vector<int64_t>& shape, const OptTensor& weight,
-                           std::optional<double> eps, const OptTensor& residual, bool residual_in_fp32) {
-    return layernorm_ext::rms_norm_fwd(input, sym(shape), weight, eps, residual, residual_in_fp32, false, forward);
-  });
-  m.def("layer_norm_bwd", [](const Tensor& grad_out, const Tensor& saved, const Tensor& mean, const Tensor& rstd,
-                             const std::vector<int64_t>& shape, const OptTensor& weight, const OptTensor& bias,
-                             bool saved_is_output, const OptTensor& grad_residual_out) {
-    return layernorm_ext::layer_norm_bwd(grad_out, saved, mean, rstd, sym(shape), weight, bias, saved_is_output,
-                                         grad_residual_out, backward);
-  });
-  m.def("rms_norm_bwd", [](const Tensor& grad_out, const Tensor& saved, const Tensor& rstd,
-                           const std::vector<int64_t>& shape, const OptTensor& weight, bool saved_is_output,
-                           const OptTensor& grad_residual_out) {
-    return layernorm_ext::rms_norm_bwd(grad_out, saved, rstd, sym(shape), weight, saved_is_output,
-                                       grad_residual_out, backward);
-  });
+  namespace py = pybind11;
+  m.def(
+      "layer_norm_fwd",
+      [](const Tensor& input, const std::vector<int64_t>& shape, const OptTensor& weight, const OptTensor& bias,
+         double eps, const OptTensor& residual, bool residual_in_fp32, double weight_offset, bool cast_before_weight) {
+        return layernorm_ext::layer_norm_fwd(input, sym(shape), weight, bias, eps, residual, residual_in_fp32, false,
+                                             weight_offset, cast_before_weight, forward);
+      },
+      py::arg("input"), py::arg("shape"), py::arg("weight"), py::arg("bias"), py::arg("eps"), py::arg("residual"),
+      py::arg("residual_in_fp32"), py::arg("weight_offset") = 0.0, py::arg("cast_before_weight") = false);
+  m.def(
+      "rms_norm_fwd",
+      [](const Tensor& input, const std::vector<int64_t>& shape, const OptTensor& weight, std::optional<double> eps,
+         const OptTensor& residual, bool residual_in_fp32, double weight_offset, bool cast_before_weight) {
+        return layernorm_ext::rms_norm_fwd(input, sym(shape), weight, eps, residual, residual_in_fp32, false,
+                                           weight_offset, cast_before_weight, forward);
+      },
+      py::arg("input"), py::arg("shape"), py::arg("weight"), py::arg("eps"), py::arg("residual"),
+      py::arg("residual_in_fp32"), py::arg("weight_offset") = 0.0, py::arg("cast_before_weight") = false);
+  m.def(
+      "layer_norm_bwd",
+      [](const Tensor& grad_out, const Tensor& saved, const Tensor& mean, const Tensor& rstd,
+         const std::vector<int64_t>& shape, const OptTensor& weight, const OptTensor& bias, bool saved_is_output,
+         const OptTensor& grad_residual_out, double weight_offset) {
+        return layernorm_ext::layer_norm_bwd(grad_out, saved, mean, rstd, sym(shape), weight, bias, saved_is_output,
+                                             grad_residual_out, weight_offset, backward);
+      },
+      py::arg("grad_out"), py::arg("saved"), py::arg("mean"), py::arg("rstd"), py::arg("shape"), py::arg("weight"),
+      py::arg("bias"), py::arg("saved_is_output"), py::arg("grad_residual_out"), py::arg("weight_offset") = 0.0);
+  m.def(
+      "rms_norm_bwd",
+      [](const Tensor& grad_out, const Tensor& saved, const Tensor& rstd, const std::vector<int64_t>& shape,
+         const OptTensor& weight, bool saved_is_output, const OptTensor& grad_residual_out, double weight_offset) {
+        return layernorm_ext::rms_norm_bwd(grad_out, saved, rstd, sym(shape), weight, saved_is_output,
+                                           grad_residual_out, weight_offset, backward);
+      },
+      py::arg("grad_out"), py::arg("saved"), py::arg("rstd"), py::arg("shape"), py::arg("weight"),
+      py::arg("saved_is_output"), py::arg("grad_residual_out"), py::arg("weight_offset") = 0.0);
 }
