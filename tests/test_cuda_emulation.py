@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from layernorm_ext import native
+from conftest import assert_no_worse_than_aten
 from test_functional import Inputs, Spec, _spec, run_case
 
 pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight:UserWarning")
@@ -228,3 +229,46 @@ def test_emulated_backward_workspace(emulated: ModuleType, rms: bool, m: int, n:
         emulated.layer_norm_bwd(g, x, mean, rstd, [n], w, b, False, None)
     buffers = 1 if rms else 2
     assert emulated.last_workspace_bytes() == buffers * grid * n * 4
+
+
+# ---- numerics options (weight_offset, cast_before_weight) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [7, 769, 4096, 20000, 40000])
+@pytest.mark.parametrize("numerics", [(1.0, False), (0.0, True), (1.0, True)], ids=["off1", "cast", "off1-cast"])
+@pytest.mark.parametrize(("fn", "dtype", "wdtype"), [("rms_norm", BF16, BF16), ("add_layer_norm", BF16, F32),
+                                                     ("add_rms_norm", F32, F32), ("layer_norm", F16, F16)],
+                         ids=["rms-bf16", "add_ln-bf16wf32", "add_rms-f32", "ln-f16"])  # fmt: skip
+def test_emulated_numerics_options(
+    emulated: ModuleType, fn: str, dtype: torch.dtype, wdtype: torch.dtype, numerics: tuple[float, bool], n: int
+) -> None:
+    """The CUDA kernels with a weight offset and Llama's order, on every thread mapping: outputs and gradients
+    under the suite's rule against the module's composite (tests/test_numerics_options.py), the backward op
+    given the forward's weight_offset."""
+    from test_numerics_options import Case, _baseline, _inputs, _run
+
+    offset, cast = numerics
+    case = Case(fn, dtype, wdtype, n, offset, cast)
+    inp = _inputs(case, rows=_rows(n))
+    x, r, w, b = (None if t is None else t.detach() for t in (inp.x, inp.r, inp.w, inp.b))
+    eps = 1e-6 if case.rms else 1e-5
+    if case.rms:
+        out, h, rstd = emulated.rms_norm_fwd(x, [n], w, eps, r, False, weight_offset=offset, cast_before_weight=cast)
+        saved = h if r is not None else x
+        grad_h, grad_w = emulated.rms_norm_bwd(inp.g, saved, rstd, [n], w, False, inp.gr, weight_offset=offset)
+        grads = {"weight": grad_w}
+    else:
+        out, h, mean, rstd = emulated.layer_norm_fwd(x, [n], w, b, eps, r, False, weight_offset=offset,
+                                                     cast_before_weight=cast)  # fmt: skip
+        saved = h if r is not None else x
+        grad_h, grad_w, grad_b = emulated.layer_norm_bwd(inp.g, saved, mean, rstd, [n], w, b, False, inp.gr,
+                                                         weight_offset=offset)  # fmt: skip
+        grads = {"weight": grad_w, "bias": grad_b}
+    grads["input"] = grad_h.to(dtype)
+    if r is not None:
+        grads["residual"] = grad_h.to(r.dtype)
+    c_out, _, c_grads = _run(case, inp, "composite")
+    r_out, _, r_grads = _run(case, inp, "reference")
+    assert_no_worse_than_aten(out, c_out, r_out, "out")
+    for name, grad in grads.items():
+        assert_no_worse_than_aten(grad, _baseline(r_grads[name], c_grads[name]), r_grads[name], f"grad_{name}")
