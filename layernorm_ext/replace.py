@@ -5,10 +5,12 @@ What is replaced:
   ``forward``, so it goes through the check below like any other module);
 - other norm modules recognised by duck typing, with no dependency on any model library: a ``weight``
   Parameter and an ``eps`` or ``variance_epsilon`` attribute (Hugging Face's LlamaRMSNorm, MistralRMSNorm,
-  T5LayerNorm, Apex's FusedRMSNorm / FusedLayerNorm, ...), with a ``bias`` Parameter for LayerNorm. Their
-  forward is unknown, so the candidate is checked: the module and its replacement run on the same probe rows
-  (in the module's own dtype and device, without grad) and must agree in dtype, shape and values; otherwise the
-  module is left alone and reported (Gemma's RMSNorm, which multiplies by ``1 + weight``, is one such).
+  T5LayerNorm, GemmaRMSNorm, Apex's FusedRMSNorm / FusedLayerNorm, ...), with a ``bias`` Parameter for
+  LayerNorm. Their forward is unknown, so candidates with each numerics option are checked: the module and
+  each candidate run on the same probe rows (in the module's own dtype and device, without grad); the candidate
+  closest to the module's output is taken if it agrees in dtype, shape and values (ATen's order, Llama's cast
+  before the weight multiply, Gemma's ``1 + weight``: ``weight_offset``, ``cast_before_weight``); otherwise the
+  module is left alone and reported.
 
 What is kept: the module's Parameter objects (an optimizer built before still updates them, state_dict keys
 and values are unchanged), its training flag; a module tied under several names is replaced by one module.
@@ -20,6 +22,7 @@ torch.nn.RMSNorm), where Hugging Face's LlamaRMSNorm returns float32.
 from __future__ import annotations
 
 import copy
+import math
 import fnmatch
 import inspect
 from collections.abc import Iterable
@@ -73,8 +76,13 @@ def _eps(module: nn.Module) -> tuple[bool, float | None]:
     return False, None
 
 
-def _candidate(module: nn.Module) -> tuple[nn.Module | None, str]:
-    """Our module reproducing ``module`` (sharing its parameters), or None and why not."""
+# The numerics a duck-typed module is probed with, (weight_offset, cast_before_weight), in order of preference.
+_NUMERICS = ((0.0, False), (0.0, True), (1.0, False), (1.0, True))
+
+
+def _candidate(module: nn.Module, numerics: tuple[float, bool] = (0.0, False)) -> tuple[nn.Module | None, str]:
+    """Our module reproducing ``module`` (sharing its parameters) with ``numerics`` (weight_offset,
+    cast_before_weight: only for duck-typed modules), or None and why not."""
     if isinstance(module, (FusedLayerNorm, FusedRMSNorm)):
         return None, "already a layernorm_ext module"
     if isinstance(module, _OTHER_NORMS):
@@ -97,10 +105,12 @@ def _candidate(module: nn.Module) -> tuple[nn.Module | None, str]:
         return None, f"bias of shape {tuple(bias.shape)} with a weight of shape {tuple(weight.shape)}"
     if len(list(module.parameters(recurse=True))) != (1 if bias is None else 2) or len(list(module.buffers())):
         return None, "it holds parameters or buffers besides weight and bias"
+    offset, cast = numerics
     if bias is None:
-        new = FusedRMSNorm(tuple(weight.shape), eps, device="meta")
+        new = FusedRMSNorm(tuple(weight.shape), eps, device="meta", weight_offset=offset, cast_before_weight=cast)
     else:
-        new = FusedLayerNorm(tuple(weight.shape), 1e-5 if eps is None else eps, bias=True, device="meta")
+        new = FusedLayerNorm(tuple(weight.shape), 1e-5 if eps is None else eps, bias=True, device="meta",
+                             weight_offset=offset, cast_before_weight=cast)  # fmt: skip
     return _adopt(new, module), ""
 
 
@@ -113,10 +123,10 @@ def _adopt(new: nn.Module, old: nn.Module) -> nn.Module:
     return new
 
 
-def _probe_copies(old: nn.Module) -> tuple[nn.Module, nn.Module]:
+def _probe_copies(old: nn.Module, numerics: tuple[float, bool]) -> tuple[nn.Module, nn.Module]:
     """A copy of ``old`` with fresh, well-conditioned parameters (weight in [0.5, 1.5], bias in [-0.2, 0.2]),
-    and our candidate sharing them: trained values could hide a different formula (Gemma's 1 + w is close to w
-    for w of 8 or more), and the probe must not touch the model's own module."""
+    and our candidate with ``numerics`` sharing them: trained values could hide a different formula (Gemma's
+    1 + w is close to w for w of 8 or more), and the probe must not touch the model's own module."""
     old_copy = copy.deepcopy(old)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -124,41 +134,57 @@ def _probe_copies(old: nn.Module) -> tuple[nn.Module, nn.Module]:
             p = getattr(old_copy, name, None)
             if isinstance(p, torch.Tensor):
                 p.copy_((torch.rand(p.shape, generator=gen) * width + low).to(p.dtype))
-    candidate, _ = _candidate(old_copy)
+    candidate, _ = _candidate(old_copy, numerics)
     assert candidate is not None
     return old_copy, candidate
 
 
-def _agrees(old: nn.Module, new: nn.Module) -> str:
-    """Why the two differ on probe rows in the weight's dtype ("" if they agree): dtype, shape or values beyond
-    rounding. (Half rows with a float32 weight are not probed: there ours return the input's dtype, as
-    torch.nn.RMSNorm does, where Hugging Face's LlamaRMSNorm promotes to float32.)"""
+def _probe(old: nn.Module, numerics: tuple[float, bool]) -> tuple[float, str]:
+    """How far our candidate with ``numerics`` is from ``old`` on probe rows in the weight's dtype: (the number
+    of differing elements, "") when within rounding, else (inf, why not). (Half rows with a float32 weight are
+    not probed: there ours return the input's dtype, as torch.nn.RMSNorm does, where Hugging Face's
+    LlamaRMSNorm promotes to float32.)"""
     weight = old.weight
-    if weight.is_meta:
-        return "its parameters are on the meta device, so its forward cannot be checked"
-    old, new = _probe_copies(old)
+    old, new = _probe_copies(old, numerics)
     gen = torch.Generator().manual_seed(0)
-    for dtype in (weight.dtype,):
-        x = (torch.randn((_PROBE_ROWS, *weight.shape), generator=gen) * 2 + 0.5).to(weight.device, dtype)
-        try:
-            with torch.no_grad():
-                want, got = old(x), new(x)
-        except Exception as err:  # noqa: BLE001  (whatever a foreign forward raises)
-            return f"its forward failed on {dtype} probe rows ({type(err).__name__}: {err})"
-        if not isinstance(want, torch.Tensor):
-            return f"its forward returns {type(want).__name__}, not a tensor"
-        if want.dtype != got.dtype or want.shape != got.shape:
-            return (f"for {dtype} input its output is {want.dtype} {tuple(want.shape)}, ours would be "
-                    f"{got.dtype} {tuple(got.shape)}")  # fmt: skip
-        # Other orders of rounding (Llama's cast before the weight multiply) stay within a few ulps of the output
-        # dtype, element by element; another formula (1 + weight, no centering) is off by tens of percent.
-        tol = 8 * torch.finfo(want.dtype).eps if want.dtype != torch.float64 else 1e-9
-        got64, want64 = got.double(), want.double()
-        row_scale = want64.abs().amax(dim=-1, keepdim=True).clamp(min=1)
-        if not bool(((got64 - want64).abs() <= tol * (want64.abs() + row_scale * 0.1)).all()):
-            diff = (got64 - want64).abs().max().item()
-            return f"computes something else (max difference {diff:.3g} on {dtype} probe rows)"
-    return ""
+    dtype = weight.dtype
+    x = (torch.randn((_PROBE_ROWS, *weight.shape), generator=gen) * 2 + 0.5).to(weight.device, dtype)
+    try:
+        with torch.no_grad():
+            want, got = old(x), new(x)
+    except Exception as err:  # noqa: BLE001  (whatever a foreign forward raises)
+        return math.inf, f"its forward failed on {dtype} probe rows ({type(err).__name__}: {err})"
+    if not isinstance(want, torch.Tensor):
+        return math.inf, f"its forward returns {type(want).__name__}, not a tensor"
+    if want.dtype != got.dtype or want.shape != got.shape:
+        return math.inf, (f"for {dtype} input its output is {want.dtype} {tuple(want.shape)}, ours would be "
+                          f"{got.dtype} {tuple(got.shape)}")  # fmt: skip
+    # Another order of rounding stays within a few ulps of the output dtype, element by element; another formula
+    # (1 + weight, no centering) is off by tens of percent.
+    tol = 8 * torch.finfo(want.dtype).eps if want.dtype != torch.float64 else 1e-9
+    got64, want64 = got.double(), want.double()
+    row_scale = want64.abs().amax(dim=-1, keepdim=True).clamp(min=1)
+    if not bool(((got64 - want64).abs() <= tol * (want64.abs() + row_scale * 0.1)).all()):
+        diff = (got64 - want64).abs().max().item()
+        return math.inf, f"computes something else (max difference {diff:.3g} on {dtype} probe rows)"
+    return float((got != want).sum().item()), ""
+
+
+def _closest_numerics(old: nn.Module) -> tuple[tuple[float, bool] | None, str]:
+    """The numerics whose candidate reproduces ``old`` best (fewest differing elements, the earlier of
+    _NUMERICS on a tie), or None and why none does."""
+    if old.weight.is_meta:
+        return None, "its parameters are on the meta device, so its forward cannot be checked"
+    best: tuple[float, bool] | None = None
+    best_count, first_why = math.inf, ""
+    for numerics in _NUMERICS:
+        count, why = _probe(old, numerics)
+        if count < best_count:
+            best, best_count = numerics, count
+        first_why = first_why or why
+        if count == 0:
+            break
+    return (best, "") if best is not None else (None, first_why)
 
 
 # Hooks a replacement would silently drop.
@@ -221,6 +247,13 @@ def replace_norms(
     return report
 
 
+def _describe(new: nn.Module) -> str:
+    """The replacement's class, with its numerics options when they are not ATen's."""
+    options = [f"weight_offset={new.weight_offset:g}"] if getattr(new, "weight_offset", 0.0) else []
+    options += ["cast_before_weight=True"] if getattr(new, "cast_before_weight", False) else []
+    return type(new).__name__ + (f"({', '.join(options)})" if options else "")
+
+
 def _decide(name: str, module: nn.Module, include: list[Selector] | None, exclude: list[Selector],
             report: ReplaceReport) -> nn.Module | None:  # fmt: skip
     """The replacement of one module (recorded in the report), or None."""
@@ -238,9 +271,15 @@ def _decide(name: str, module: nn.Module, include: list[Selector] | None, exclud
         return None
     if type(module) not in (nn.LayerNorm, nn.RMSNorm):
         extra = _extra_forward_parameters(module)
-        why = f"its forward takes more than the input ({', '.join(extra)})" if extra else _agrees(module, new)
-        if why:
+        if extra:
+            report.skipped.append((name, type(module).__name__, f"its forward takes more than the input "
+                                                                f"({', '.join(extra)})"))  # fmt: skip
+            return None
+        numerics, why = _closest_numerics(module)
+        if numerics is None:
             report.skipped.append((name, type(module).__name__, why))
             return None
-    report.replaced.append((name, type(module).__name__, type(new).__name__))
+        new, _ = _candidate(module, numerics)
+        assert new is not None
+    report.replaced.append((name, type(module).__name__, _describe(new)))
     return new
