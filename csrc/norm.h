@@ -68,9 +68,18 @@ std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& grad_out, const Tensor& sa
 
 // ---- autograd (norm_autograd.cpp) ----
 // Whether a forward saves its output for backward instead of its input (memory_efficient, where the backward
-// can recover xhat from the output exactly enough); reads the parameters' values (a sync on CUDA).
+// can recover xhat from the output exactly enough); reads the parameters' values once per parameter version
+// (a sync on CUDA after each update of them, none otherwise).
 bool can_save_output(const Tensor& input, const OptTensor& weight, const OptTensor& bias, bool memory_efficient,
                      bool has_residual);
+
+// ---- the memory_efficient decision per parameter version (saved_output_cache.cpp) ----
+// A check of the weight's and bias's values (true: the output may be saved). It reads device values.
+using ParamsCheck = bool (*)(const OptTensor& weight, const OptTensor& bias);
+// check(weight, bias), remembered for these very tensors at their current versions: a later call with the same
+// live tensors, not updated in place since, returns the result without running check. Inference tensors (no
+// version counter) are checked on every call.
+bool params_allow_saved_output(const OptTensor& weight, const OptTensor& bias, ParamsCheck check);
 
 // ---- device kernels ----
 namespace cpu {

@@ -46,14 +46,28 @@ bool values_unreadable(const Tensor& t) {
 // accuracy (weight == 0 loses xhat altogether), so such a weight makes the forward save the input instead.
 constexpr double kMaxBiasOverWeight = 4.0;
 
+// Whether every weight entry is finite, nonzero and at least 1/kMaxBiasOverWeight of its bias: what the backward
+// needs to recover xhat from the output. Reads the values: on CUDA a host synchronization (the .item()), which is
+// why can_save_output runs it once per parameter version only (params_allow_saved_output).
+bool params_values_safe(const OptTensor& weight, const OptTensor& bias) {
+  // Written as what is safe, so that NaN (every comparison false) and infinite entries are unsafe too: the
+  // output of such a column holds no xhat to recover, while the weight's gradient needs it.
+  const Tensor magnitude = weight.has_value() ? weight->abs() : at::ones_like(*bias);
+  Tensor safe = magnitude.gt(0).logical_and_(magnitude.lt(std::numeric_limits<double>::infinity()));
+  if (bias.has_value()) safe.logical_and_(bias->abs().le(magnitude * kMaxBiasOverWeight));
+  return safe.all().item<bool>();
+}
+
 }  // namespace
 
 // Whether the backward may recover xhat from the output instead of reading the saved input. Not with a
 // residual (h is an output already: saving it costs no more than saving out); not when the output is coarser
 // than the parameters (half input, float32 weight); not when a weight entry is 0, much smaller than its bias,
 // or either is not finite; not when the values cannot be read (tracing, DTensor) nor during CUDA graph
-// capture, when reading them (a wait for the GPU) is forbidden. In all these cases the input is saved, so the
-// gradients stay exact. Otherwise the check reads the parameters: on CUDA one host synchronization per call.
+// capture, where reading them (a wait for the GPU) is forbidden and where the graph replays with later values,
+// so no choice made from today's values may be baked in. In all these cases the input is saved, so the
+// gradients stay exact. Otherwise the values are read once per version of the parameters (cached: one host
+// synchronization on CUDA after each in-place update of the weight or bias, none on the calls between).
 bool can_save_output(const Tensor& input, const OptTensor& weight, const OptTensor& bias, bool memory_efficient,
                      bool has_residual) {
   if (!memory_efficient || has_residual) return false;
@@ -62,14 +76,10 @@ bool can_save_output(const Tensor& input, const OptTensor& weight, const OptTens
     if (t.has_value() && (t->scalar_type() != input.scalar_type() || values_unreadable(*t))) return false;
   }
 #ifdef LAYERNORM_EXT_WITH_CUDA
+  // Before the cache: an eager call's cached "safe" must not leak into a captured graph.
   if (input.is_cuda() && cuda::current_stream_is_capturing()) return false;
 #endif
-  // Written as what is safe, so that NaN (every comparison false) and infinite entries are unsafe too: the
-  // output of such a column holds no xhat to recover, while the weight's gradient needs it.
-  const Tensor magnitude = weight.has_value() ? weight->abs() : at::ones_like(*bias);
-  Tensor safe = magnitude.gt(0).logical_and_(magnitude.lt(std::numeric_limits<double>::infinity()));
-  if (bias.has_value()) safe.logical_and_(bias->abs().le(magnitude * kMaxBiasOverWeight));
-  return safe.all().item<bool>();
+  return params_allow_saved_output(weight, bias, params_values_safe);
 }
 
 namespace {

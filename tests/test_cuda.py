@@ -496,6 +496,50 @@ def test_no_sync(fn: str) -> None:
         torch.cuda.set_sync_debug_mode(previous)
 
 
+@pytest.mark.parametrize("fn", ["layer_norm", "rms_norm"])
+def test_no_sync_memory_efficient(fn: str) -> None:
+    """memory_efficient=True with parameters that require grad (in the input's dtype, so the values decide): the
+    first forward reads them (one sync, outside the check; it fills the cache). Later forwards and backwards
+    with the same, unchanged parameters never synchronize and still save the output. An in-place update makes
+    the next forward read them once more (outside the check), then no more."""
+    n = 2048
+    ln = fn == "layer_norm"
+    gen = torch.Generator(device=CUDA).manual_seed(5)
+    x = _cuda_randn(gen, 128, n, dtype=BF16).requires_grad_(True)
+    w = _cuda_randn(gen, n, dtype=BF16, scale=0.1, shift=1.0).requires_grad_(True)
+    b = _cuda_randn(gen, n, dtype=BF16, scale=0.2).requires_grad_(True)
+    g = _cuda_randn(gen, 128, n, dtype=BF16)
+    saved: list[int] = []
+
+    def pack(t: Tensor) -> Tensor:
+        saved.append(t.untyped_storage().data_ptr())
+        return t
+
+    def step() -> None:
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = L.layer_norm(x, n, w, b, memory_efficient=True) if ln else L.rms_norm(x, n, w, memory_efficient=True)
+        assert out.untyped_storage().data_ptr() in saved, "memory_efficient saved no output"
+        torch.autograd.grad(out, [x, w, b] if ln else [x, w], g)
+
+    def step_without_sync() -> None:
+        torch.cuda.synchronize()
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+    step()  # reads the parameters (and lazy init may sync)
+    step_without_sync()
+    with torch.no_grad():
+        w.mul_(1.01)  # still safe; a new version
+    step()  # reads them again
+    step_without_sync()
+
+
 # ---- torch.compile --------------------------------------------------------------------------------------------
 
 
