@@ -175,6 +175,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "buffer: a wider call frees what it grew when it ends)");
   module.def("can_save_output", &layernorm_ext::can_save_output, pybind11::arg("input"), pybind11::arg("weight"),
              pybind11::arg("bias"), pybind11::arg("memory_efficient"), pybind11::arg("has_residual"),
+             pybind11::arg("weight_offset") = 0.0,
              "Whether a forward with these arguments saves its output for backward instead of its input (the "
              "autograd's choice; for the CUDA emulation tests)");
   module.def("set_cpu_isa", &layernorm_ext::cpu::set_isa, pybind11::arg("isa"),

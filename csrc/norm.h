@@ -70,16 +70,18 @@ std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& grad_out, const Tensor& sa
 // Whether a forward saves its output for backward instead of its input (memory_efficient, where the backward
 // can recover xhat from the output exactly enough); reads the parameters' values once per parameter version
 // (a sync on CUDA after each update of them, none otherwise).
+// weight_offset: the forward's (the scale the output was formed with is weight + weight_offset).
 bool can_save_output(const Tensor& input, const OptTensor& weight, const OptTensor& bias, bool memory_efficient,
-                     bool has_residual);
+                     bool has_residual, double weight_offset = 0.0);
 
 // ---- the memory_efficient decision per parameter version (saved_output_cache.cpp) ----
 // A check of the weight's and bias's values (true: the output may be saved). It reads device values.
-using ParamsCheck = bool (*)(const OptTensor& weight, const OptTensor& bias);
-// check(weight, bias), remembered for these very tensors at their current versions: a later call with the same
-// live tensors, not updated in place since, returns the result without running check. Inference tensors (no
-// version counter) are checked on every call.
-bool params_allow_saved_output(const OptTensor& weight, const OptTensor& bias, ParamsCheck check);
+using ParamsCheck = bool (*)(const OptTensor& weight, const OptTensor& bias, double weight_offset);
+// check(weight, bias, weight_offset), remembered for these very tensors at their current versions and this
+// offset: a later call with the same live tensors, not updated in place since, returns the result without
+// running check. Inference tensors (no version counter) are checked on every call.
+bool params_allow_saved_output(const OptTensor& weight, const OptTensor& bias, double weight_offset,
+                               ParamsCheck check);
 
 // ---- device kernels ----
 namespace cpu {

@@ -49,10 +49,19 @@ constexpr double kMaxBiasOverWeight = 4.0;
 // Whether every weight entry is finite, nonzero and at least 1/kMaxBiasOverWeight of its bias: what the backward
 // needs to recover xhat from the output. Reads the values: on CUDA a host synchronization (the .item()), which is
 // why can_save_output runs it once per parameter version only (params_allow_saved_output).
-bool params_values_safe(const OptTensor& weight, const OptTensor& bias) {
+// With a weight_offset the scale is weight + weight_offset, formed as the kernels form it (in float32, float64
+// for float64 parameters).
+bool params_values_safe(const OptTensor& weight, const OptTensor& bias, double weight_offset) {
   // Written as what is safe, so that NaN (every comparison false) and infinite entries are unsafe too: the
   // output of such a column holds no xhat to recover, while the weight's gradient needs it.
-  const Tensor magnitude = weight.has_value() ? weight->abs() : at::ones_like(*bias);
+  Tensor magnitude;
+  if (!weight.has_value()) {
+    magnitude = at::ones_like(*bias);
+  } else if (weight_offset == 0.0) {
+    magnitude = weight->abs();
+  } else {
+    magnitude = (weight->to(weight->scalar_type() == at::kDouble ? at::kDouble : at::kFloat) + weight_offset).abs();
+  }
   Tensor safe = magnitude.gt(0).logical_and_(magnitude.lt(std::numeric_limits<double>::infinity()));
   if (bias.has_value()) safe.logical_and_(bias->abs().le(magnitude * kMaxBiasOverWeight));
   return safe.all().item<bool>();
@@ -69,7 +78,7 @@ bool params_values_safe(const OptTensor& weight, const OptTensor& bias) {
 // gradients stay exact. Otherwise the values are read once per version of the parameters (cached: one host
 // synchronization on CUDA after each in-place update of the weight or bias, none on the calls between).
 bool can_save_output(const Tensor& input, const OptTensor& weight, const OptTensor& bias, bool memory_efficient,
-                     bool has_residual) {
+                     bool has_residual, double weight_offset) {
   if (!memory_efficient || has_residual) return false;
   if (!weight.has_value() && !bias.has_value()) return true;
   for (const OptTensor& t : {weight, bias}) {
@@ -79,7 +88,7 @@ bool can_save_output(const Tensor& input, const OptTensor& weight, const OptTens
   // Before the cache: an eager call's cached "safe" must not leak into a captured graph.
   if (input.is_cuda() && cuda::current_stream_is_capturing()) return false;
 #endif
-  return params_allow_saved_output(weight, bias, params_values_safe);
+  return params_allow_saved_output(weight, bias, weight_offset, params_values_safe);
 }
 
 namespace {
@@ -185,9 +194,8 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
       }
     }
     const bool has_residual = residual.has_value();
-    // With a weight_offset the input is saved: the check of can_save_output is on the weight itself.
     const bool saved_is_output =
-        weight_offset == 0.0 && can_save_output(input, weight, bias, memory_efficient, has_residual);
+        can_save_output(input, weight, bias, memory_efficient, has_residual, weight_offset);
     const Tensor& saved = saved_is_output ? out : (has_residual ? extras->residual_out : input);
     ctx->save_for_backward({saved, extras->mean, extras->rstd, weight.value_or(Tensor()), bias.value_or(Tensor())});
     NodeState state;

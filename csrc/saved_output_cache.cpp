@@ -65,6 +65,7 @@ struct ParamSnapshot {
 
 struct Entry {
   ParamSnapshot weight, bias;
+  double weight_offset;
   bool safe;
 };
 
@@ -83,18 +84,19 @@ bool cacheable(const OptTensor& t) {
 // The cached result of check(weight, bias), or a fresh check when these tensors at these versions were never
 // checked (then remembered). The versions are read before the check runs, so that an update racing with it
 // (another thread) leaves an entry for the old version, which no later call matches.
-bool params_allow_saved_output(const OptTensor& weight, const OptTensor& bias, ParamsCheck check) {
-  if (!cacheable(weight) || !cacheable(bias)) return check(weight, bias);
+bool params_allow_saved_output(const OptTensor& weight, const OptTensor& bias, double weight_offset,
+                               ParamsCheck check) {
+  if (!cacheable(weight) || !cacheable(bias)) return check(weight, bias, weight_offset);
   {
     std::lock_guard<std::mutex> lock(cache_mutex);
     for (const Entry& e : cache_entries) {
-      if (e.weight.matches(weight) && e.bias.matches(bias)) return e.safe;
+      if (e.weight.matches(weight) && e.bias.matches(bias) && e.weight_offset == weight_offset) return e.safe;
     }
   }
-  Entry fresh{ParamSnapshot(weight), ParamSnapshot(bias), false};
-  fresh.safe = check(weight, bias);
+  Entry fresh{ParamSnapshot(weight), ParamSnapshot(bias), weight_offset, false};
+  fresh.safe = check(weight, bias, weight_offset);
   std::lock_guard<std::mutex> lock(cache_mutex);
-  // One entry per (weight, bias) pair: a newer version replaces the older one.
+  // One entry per (weight, bias) pair: a newer version (or another offset) replaces the older one.
   for (Entry& e : cache_entries) {
     if (e.weight.impl._unsafe_get_target() == fresh.weight.impl._unsafe_get_target() &&
         e.bias.impl._unsafe_get_target() == fresh.bias.impl._unsafe_get_target()) {

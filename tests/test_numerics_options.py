@@ -371,3 +371,43 @@ def test_module_initialisation_repr_and_state_dict() -> None:
     assert "weight_offset" not in repr(FusedLayerNorm(8))
     assert gemma.state_dict().keys() == torch.nn.RMSNorm(8).state_dict().keys()
     assert ln.state_dict().keys() == torch.nn.LayerNorm(8).state_dict().keys()
+
+
+@pytest.mark.parametrize("fn", ["layer_norm", "rms_norm"])
+def test_memory_efficient_with_offset(fn: str) -> None:
+    """memory_efficient recovers xhat = (out - bias) / (weight + weight_offset): the output is saved when that sum
+    is safe to divide by (Gemma's zero-initialised weight is: the scale is 1), the input when an entry of the
+    sum is 0 (weight = -weight_offset); the gradients stay those of memory_efficient=False, under the rule."""
+    gen = torch.Generator().manual_seed(8)
+    x = (torch.randn(6, 300, generator=gen) * 2 + 0.3).requires_grad_()
+    g = torch.randn(6, 300, generator=gen)
+    w0 = torch.randn(300, generator=gen) * 0.1  # a scale of 1 + w0 in about [0.6, 1.4]: |bias| < 4 |scale|
+    b = (torch.randn(300, generator=gen) * 0.2).requires_grad_() if fn == "layer_norm" else None
+    zero_scale_at_7 = torch.where(torch.arange(300) == 7, -1.0, w0)
+    for weight, saves_output in ((torch.zeros(300), True), (w0, True), (zero_scale_at_7, False)):
+        w = weight.clone().requires_grad_()
+        leaves = [x, w] + ([b] if b is not None else [])
+        results = []
+        for mem in (False, True):
+            ptrs: list[int] = []
+
+            def pack(t: Tensor) -> Tensor:
+                ptrs.append(t.untyped_storage().data_ptr())  # noqa: B023  (this loop's list)
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                if fn == "layer_norm":
+                    out = L.layer_norm(x, 300, w, b, 1e-5, weight_offset=1.0, memory_efficient=mem)
+                else:
+                    out = L.rms_norm(x, 300, w, 1e-6, weight_offset=1.0, memory_efficient=mem)
+            if mem:
+                assert (out.untyped_storage().data_ptr() in ptrs) == saves_output
+                assert (x.untyped_storage().data_ptr() in ptrs) == (not saves_output)
+            results.append(torch.autograd.grad(out, leaves, g))
+        x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        b64 = b.detach().double().requires_grad_() if b is not None else None
+        leaves64 = [x64, w64] + ([b64] if b64 is not None else [])
+        ref_out = composite(x64, w64, b64, 1e-5 if fn == "layer_norm" else 1e-6, fn == "rms_norm", 1.0, False, F64)
+        refs = torch.autograd.grad(ref_out, leaves64, g.double())
+        for name, plain, mem, ref in zip(("input", "weight", "bias"), *results, refs):
+            assert_no_worse_than_aten(mem, plain, ref, f"grad_{name} (memory_efficient vs not)")
