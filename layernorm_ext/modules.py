@@ -22,7 +22,8 @@ _ShapeArg = int | Sequence[int] | torch.Size
 
 
 class _Numerics:
-    """The numerics options shared by both modules (a mixin of torch's module classes)."""
+    """The numerics options shared by both modules (a mixin before torch's module class: its reset_parameters and
+    extra_repr extend torch's)."""
 
     weight: torch.nn.Parameter | None
     weight_offset: float = 0.0
@@ -34,6 +35,13 @@ class _Numerics:
         self.cast_before_weight = bool(cast_before_weight)
         if self.weight_offset != 0.0:
             self._init_weight_for_offset()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()  # type: ignore[misc]  (torch's module, next in the MRO)
+        self._init_weight_for_offset()
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + self._numerics_repr()  # type: ignore[misc]
 
     def _init_weight_for_offset(self) -> None:
         if self.weight is not None and self.weight_offset != 0.0:
@@ -71,13 +79,6 @@ class FusedLayerNorm(_Numerics, torch.nn.LayerNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
         self._set_numerics(memory_efficient, weight_offset, cast_before_weight)
 
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        self._init_weight_for_offset()
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + self._numerics_repr()
-
     def forward(self, input: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         if residual is None:
             return F._layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, self.memory_efficient,
@@ -111,13 +112,6 @@ class FusedRMSNorm(_Numerics, torch.nn.RMSNorm):
     ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
         self._set_numerics(memory_efficient, weight_offset, cast_before_weight)
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        self._init_weight_for_offset()
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + self._numerics_repr()
 
     def forward(self, input: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         if residual is None:
