@@ -14,7 +14,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from conftest import assert_no_worse_than_aten
