@@ -38,6 +38,24 @@ TORCH_LIBRARY(layernorm_ext, m) {
       "rms_norm_bwd(Tensor grad_out, Tensor saved, Tensor rstd, SymInt[] normalized_shape, Tensor? weight, "
       "bool saved_is_output=False, Tensor? grad_residual_out=None, float weight_offset=0.) "
       "-> (Tensor grad_input, Tensor grad_weight)");
+  // The inference ops: the forward ops written into the caller's buffers, storing no statistics, with no
+  // autograd (as ATen's out= ops, they refuse arguments that require grad). *_into: out= (and residual_out=,
+  // h in its dtype, with a residual), sharing no memory with the arguments. add_*_norm_: the inference engines'
+  // fused add + norm in place: residual = input + residual (residual must have h's dtype), input = norm(it).
+  m.def(
+      "layer_norm_into(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
+      "Tensor(a!) out, Tensor? residual=None, Tensor(b!)? residual_out=None, bool residual_in_fp32=False, "
+      "float weight_offset=0., bool cast_before_weight=False) -> ()");
+  m.def(
+      "rms_norm_into(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps, Tensor(a!) out, "
+      "Tensor? residual=None, Tensor(b!)? residual_out=None, bool residual_in_fp32=False, "
+      "float weight_offset=0., bool cast_before_weight=False) -> ()");
+  m.def(
+      "add_layer_norm_(Tensor(a!) input, Tensor(b!) residual, SymInt[] normalized_shape, Tensor? weight=None, "
+      "Tensor? bias=None, float eps=1e-05, float weight_offset=0., bool cast_before_weight=False) -> ()");
+  m.def(
+      "add_rms_norm_(Tensor(a!) input, Tensor(b!) residual, SymInt[] normalized_shape, Tensor? weight=None, "
+      "float? eps=None, float weight_offset=0., bool cast_before_weight=False) -> ()");
   // The functional API (layernorm_ext/functional.py): each the forward op above, returning only what the user
   // gets, which spares an eager call the statistics' Python objects (CompositeImplicitAutograd, in
   // norm_autograd.cpp: autograd, fake tensors, DTensor and autocast all act on the forward op).
@@ -125,7 +143,8 @@ void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/)
 }  // namespace
 
 TORCH_LIBRARY_IMPL(layernorm_ext, CUDA, m) {
-  for (const char* name : {"layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd"}) {
+  for (const char* name : {"layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd", "layer_norm_into",
+                           "rms_norm_into", "add_layer_norm_", "add_rms_norm_"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   }
 }

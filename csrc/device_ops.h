@@ -1,4 +1,4 @@
-// The four ops of one device: the shared op bodies (norm_ops.cpp) bound to that device's launchers, as
+// The ops of one device: the shared op bodies (norm_ops.cpp) bound to that device's launchers, as
 // TORCH_LIBRARY_IMPL registers them (csrc/cpu/norm_cpu.cpp, csrc/cuda/norm_cuda.cpp).
 #pragma once
 
@@ -46,11 +46,43 @@ struct DeviceOps {
                         kBackward);
   }
 
+  static void layer_norm_out(const Tensor& input, c10::SymIntArrayRef shape, const OptTensor& weight,
+                             const OptTensor& bias, double eps, const Tensor& out, const OptTensor& residual,
+                             const OptTensor& residual_out, bool residual_in_fp32, double weight_offset,
+                             bool cast_before_weight) {
+    layer_norm_into(input, shape, weight, bias, eps, out, residual, residual_out, residual_in_fp32, weight_offset,
+                    cast_before_weight, kForward);
+  }
+
+  static void rms_norm_out(const Tensor& input, c10::SymIntArrayRef shape, const OptTensor& weight,
+                           std::optional<double> eps, const Tensor& out, const OptTensor& residual,
+                           const OptTensor& residual_out, bool residual_in_fp32, double weight_offset,
+                           bool cast_before_weight) {
+    rms_norm_into(input, shape, weight, eps, out, residual, residual_out, residual_in_fp32, weight_offset,
+                  cast_before_weight, kForward);
+  }
+
+  static void add_layer_norm_(const Tensor& input, const Tensor& residual, c10::SymIntArrayRef shape,
+                              const OptTensor& weight, const OptTensor& bias, double eps, double weight_offset,
+                              bool cast_before_weight) {
+    add_layer_norm_inplace(input, residual, shape, weight, bias, eps, weight_offset, cast_before_weight, kForward);
+  }
+
+  static void add_rms_norm_(const Tensor& input, const Tensor& residual, c10::SymIntArrayRef shape,
+                            const OptTensor& weight, std::optional<double> eps, double weight_offset,
+                            bool cast_before_weight) {
+    add_rms_norm_inplace(input, residual, shape, weight, eps, weight_offset, cast_before_weight, kForward);
+  }
+
   static void register_to(torch::Library& m) {
     m.impl("layer_norm_fwd", &layer_norm);
     m.impl("rms_norm_fwd", &rms_norm);
     m.impl("layer_norm_bwd", &layer_norm_backward);
     m.impl("rms_norm_bwd", &rms_norm_backward);
+    m.impl("layer_norm_into", &layer_norm_out);
+    m.impl("rms_norm_into", &rms_norm_out);
+    m.impl("add_layer_norm_", &add_layer_norm_);
+    m.impl("add_rms_norm_", &add_rms_norm_);
   }
 };
 

@@ -38,6 +38,12 @@ NormGeometry check_backward_args(const char* op, const Tensor& grad_out, const T
                                  const OptTensor& grad_residual_out, bool saved_is_output);
 // weight_offset: finite, and nonzero only with a weight (the scale is weight + weight_offset).
 void check_weight_offset(const char* op, const OptTensor& weight, double weight_offset);
+// A caller's output buffer (out=, residual_out=, or the in-place ops' input / residual): on input's device,
+// input's shape, the given dtype, contiguous.
+void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest, ScalarType dtype);
+// An out= buffer must not share memory with what the op reads.
+void check_no_overlap(const char* op, const char* name, const Tensor& dest, const char* other_name,
+                      const Tensor& other);
 
 // ---- device-independent op bodies (norm_ops.cpp); each device passes its launcher ----
 // A launcher runs a device's kernels on a filled parameter block; the op bodies call it after every argument
@@ -61,6 +67,23 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const 
                                                   const OptTensor& weight, const OptTensor& bias,
                                                   bool saved_is_output, const OptTensor& grad_residual_out,
                                                   double weight_offset, BackwardLauncher launch);
+// The inference ops: the forward written into the caller's buffers, with no statistics computed into memory.
+// *_into: out (input's dtype) and, with a residual, residual_out (h's dtype), sharing no memory with the
+// arguments. In place (add_*_norm_): residual = input + residual, then input = norm(residual).
+void layer_norm_into(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                     const OptTensor& bias, double eps, const Tensor& out, const OptTensor& residual,
+                     const OptTensor& residual_out, bool residual_in_fp32, double weight_offset,
+                     bool cast_before_weight, ForwardLauncher launch);
+void rms_norm_into(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                   std::optional<double> eps, const Tensor& out, const OptTensor& residual,
+                   const OptTensor& residual_out, bool residual_in_fp32, double weight_offset, bool cast_before_weight,
+                   ForwardLauncher launch);
+void add_layer_norm_inplace(const Tensor& input, const Tensor& residual, c10::SymIntArrayRef normalized_shape,
+                            const OptTensor& weight, const OptTensor& bias, double eps, double weight_offset,
+                            bool cast_before_weight, ForwardLauncher launch);
+void add_rms_norm_inplace(const Tensor& input, const Tensor& residual, c10::SymIntArrayRef normalized_shape,
+                          const OptTensor& weight, std::optional<double> eps, double weight_offset,
+                          bool cast_before_weight, ForwardLauncher launch);
 std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& grad_out, const Tensor& saved, const Tensor& rstd,
                                         c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                                         bool saved_is_output, const OptTensor& grad_residual_out,

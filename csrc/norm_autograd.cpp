@@ -458,11 +458,48 @@ TORCH_LIBRARY_IMPL(layernorm_ext, CompositeImplicitAutograd, m) {
   m.impl("add_rms_norm", &add_rms_norm);
 }
 
+namespace {
+
+// The inference ops (out= and in place, boxed: one body for all four) on the Autograd key: as ATen's out= ops,
+// they refuse to run on arguments that require grad while grad mode is on (their results would have no graph),
+// then run the kernel and bump the version of every tensor they wrote, which autograd's saved-tensor checks and
+// memory_efficient's cache (saved_output_cache.cpp) rely on.
+void inference_op_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const c10::FunctionSchema& schema = op.schema();
+  const std::string& qualified = schema.name();
+  const std::string name = qualified.substr(qualified.rfind(':') + 1);  // without "layernorm_ext::"
+  const size_t count = schema.arguments().size();
+  const auto first = stack->end() - static_cast<std::ptrdiff_t>(count);
+  std::vector<Tensor> written;
+  for (size_t i = 0; i < count; ++i) {
+    if (!first[i].isTensor()) continue;
+    const Tensor& t = first[i].toTensor();
+    const c10::Argument& arg = schema.arguments()[i];
+    TORCH_CHECK(!(c10::GradMode::is_enabled() && t.requires_grad()), name,
+                ": the inference ops (out=, in place) don't support automatic differentiation, but ", arg.name(),
+                " requires grad; call them under torch.no_grad() / torch.inference_mode(), or use the functional "
+                "form without out=");
+    if (arg.alias_info() != nullptr && arg.alias_info()->isWrite()) written.push_back(t);
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    op.callBoxed(stack);
+  }
+  for (const Tensor& t : written) {
+    if (!t.is_inference()) torch::autograd::impl::bump_version(t);
+  }
+}
+
+}  // namespace
+
 TORCH_LIBRARY_IMPL(layernorm_ext, Autograd, m) {
   m.impl("layer_norm_fwd", &layer_norm_autograd);
   m.impl("rms_norm_fwd", &rms_norm_autograd);
   m.impl("layer_norm_bwd", &layer_norm_bwd_autograd);
   m.impl("rms_norm_bwd", &rms_norm_bwd_autograd);
+  for (const char* name : {"layer_norm_into", "rms_norm_into", "add_layer_norm_", "add_rms_norm_"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&inference_op_autograd>());
+  }
 }
 
 }  // namespace layernorm_ext

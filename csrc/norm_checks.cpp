@@ -2,6 +2,8 @@
 // ATen-worded error before any kernel sees it.
 #include "norm.h"
 
+#include <ATen/MemoryOverlap.h>
+
 #include <cmath>
 
 #include <c10/util/irange.h>
@@ -142,6 +144,23 @@ NormGeometry check_backward_args(const char* op, const Tensor& grad_out, const T
     check_float(op, "grad_residual_out", *grad_residual_out);
   }
   return g;
+}
+
+void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest,
+                       ScalarType dtype) {
+  check_same_device(op, name, input, dest);
+  TORCH_CHECK(dest.scalar_type() == dtype && dest.sizes() == input.sizes(), op, ": expected ", name, " of shape ",
+              input.sizes(), " and dtype ", dtype, ", but got ", name, " of shape ", dest.sizes(), " and dtype ",
+              dest.scalar_type());
+  TORCH_CHECK(dest.is_contiguous(), op, ": expected ", name, " to be contiguous (the kernels write it row by row)");
+}
+
+void check_no_overlap(const char* op, const char* name, const Tensor& dest, const char* other_name,
+                      const Tensor& other) {
+  const at::MemOverlapStatus status = at::get_overlap_status(dest, other);
+  TORCH_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, op, ": ", name,
+              " shares memory with ", other_name, "; write into a separate buffer (the in-place add_layer_norm_ / "
+              "add_rms_norm_ write into input and residual)");
 }
 
 void check_weight_offset(const char* op, const OptTensor& weight, double weight_offset) {

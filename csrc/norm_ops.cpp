@@ -28,33 +28,68 @@ struct ForwardResult {
   Tensor out, residual_out, mean, rstd;
 };
 
+// Where a forward writes: new tensors with the statistics (the ops autograd saves from), or the caller's
+// buffers without statistics (the inference ops: out= into separate memory, or in place into input and
+// residual, which the kernels allow: every element of h is written where the same thread read it, and out is
+// written after the row's statistics, from h).
+struct Destination {
+  OptTensor out, residual_out;
+  bool in_place = false;
+};
+
 ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntArrayRef normalized_shape_sym,
                            const OptTensor& weight_arg, const OptTensor& bias_arg, std::optional<double> eps,
                            const OptTensor& residual_arg, bool residual_in_fp32, bool rms, double weight_offset,
-                           bool cast_before_weight, ForwardLauncher launch) {
+                           bool cast_before_weight, ForwardLauncher launch, const Destination& dest = {}) {
   const at::IntArrayRef normalized_shape = C10_AS_INTARRAYREF_SLOW(normalized_shape_sym);
   const NormGeometry g = check_forward_args(op, input_arg, normalized_shape, weight_arg, bias_arg, residual_arg);
   check_weight_offset(op, weight_arg, weight_offset);
+  const ScalarType h_type = residual_arg.has_value() ? residual_out_dtype(input_arg, *residual_arg, residual_in_fp32)
+                                                     : input_arg.scalar_type();
+  const ScalarType acc = acc_type_for(h_type);
+  const bool given = dest.out.has_value();
+  if (given) {
+    const char* out_name = dest.in_place ? "input" : "out";
+    check_destination(op, out_name, input_arg, *dest.out, input_arg.scalar_type());
+    TORCH_CHECK(residual_arg.has_value() == dest.residual_out.has_value(), op,
+                residual_arg.has_value() ? ": a residual needs a residual_out buffer (h = input + residual)"
+                                         : ": residual_out is given without a residual");
+    if (residual_arg.has_value()) {
+      check_destination(op, dest.in_place ? "residual" : "residual_out", input_arg, *dest.residual_out, h_type);
+    }
+    if (!dest.in_place) {
+      for (const Tensor* d : {&*dest.out, dest.residual_out.has_value() ? &*dest.residual_out : nullptr}) {
+        if (d == nullptr) continue;
+        const char* name = d == &*dest.out ? "out" : "residual_out";
+        check_no_overlap(op, name, *d, "input", input_arg);
+        if (residual_arg.has_value()) check_no_overlap(op, name, *d, "residual", *residual_arg);
+        if (weight_arg.has_value()) check_no_overlap(op, name, *d, "weight", *weight_arg);
+        if (bias_arg.has_value()) check_no_overlap(op, name, *d, "bias", *bias_arg);
+      }
+      if (dest.residual_out.has_value()) check_no_overlap(op, "out", *dest.out, "residual_out", *dest.residual_out);
+    }
+  }
   const Tensor input = input_arg.contiguous();
   const OptTensor weight = contiguous(weight_arg);
   const OptTensor bias = contiguous(bias_arg);
   const OptTensor residual = contiguous(residual_arg);
 
-  const ScalarType h_type = residual.has_value() ? residual_out_dtype(input, *residual, residual_in_fp32)
-                                                 : input.scalar_type();
-  const ScalarType acc = acc_type_for(h_type);
-
   ForwardResult r;
-  r.out = at::empty(input.sizes(), input.options());
-  r.residual_out = residual.has_value() ? at::empty(input.sizes(), input.options().dtype(h_type))
-                                        : placeholder(input, input.scalar_type());
-  r.rstd = at::empty(g.stat_shape, input.options().dtype(acc));
-  if (!rms) r.mean = at::empty(g.stat_shape, input.options().dtype(acc));
+  if (given) {
+    r.out = *dest.out;  // nothing returned: no placeholder either
+    if (residual.has_value()) r.residual_out = *dest.residual_out;
+  } else {
+    r.out = at::empty(input.sizes(), input.options());
+    r.residual_out = residual.has_value() ? at::empty(input.sizes(), input.options().dtype(h_type))
+                                          : placeholder(input, input.scalar_type());
+    r.rstd = at::empty(g.stat_shape, input.options().dtype(acc));
+    if (!rms) r.mean = at::empty(g.stat_shape, input.options().dtype(acc));
+  }
   if (g.rows == 0) return r;
   if (g.cols == 0) {
     // Rows of no elements (a 0 in normalized_shape): as ATen, mean 0 and rstd NaN (0 / 0 variance).
-    if (!rms) r.mean.zero_();
-    r.rstd.fill_(std::numeric_limits<double>::quiet_NaN());
+    if (r.mean.defined()) r.mean.zero_();
+    if (r.rstd.defined()) r.rstd.fill_(std::numeric_limits<double>::quiet_NaN());
     return r;
   }
 
@@ -65,8 +100,8 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   p.bias = ptr_or_null(bias);
   p.out = r.out.data_ptr();
   p.residual_out = residual.has_value() ? r.residual_out.data_ptr() : nullptr;
-  p.mean = rms ? nullptr : r.mean.data_ptr();
-  p.rstd = r.rstd.data_ptr();
+  p.mean = r.mean.defined() ? r.mean.data_ptr() : nullptr;
+  p.rstd = r.rstd.defined() ? r.rstd.data_ptr() : nullptr;
   p.device = input.device().index();
   p.input_type = input.scalar_type();
   p.residual_type = residual.has_value() ? residual->scalar_type() : input.scalar_type();
@@ -168,6 +203,36 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd(const Tensor& input, c10::SymInt
   ForwardResult r = norm_forward("rms_norm", input, normalized_shape, weight, std::nullopt, eps, residual,
                                  residual_in_fp32, /*rms=*/true, weight_offset, cast_before_weight, launch);
   return {r.out, r.residual_out, r.rstd};
+}
+
+void layer_norm_into(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                     const OptTensor& bias, double eps, const Tensor& out, const OptTensor& residual,
+                     const OptTensor& residual_out, bool residual_in_fp32, double weight_offset,
+                     bool cast_before_weight, ForwardLauncher launch) {
+  norm_forward("layer_norm_into", input, normalized_shape, weight, bias, eps, residual, residual_in_fp32,
+               /*rms=*/false, weight_offset, cast_before_weight, launch, Destination{out, residual_out});
+}
+
+void rms_norm_into(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                   std::optional<double> eps, const Tensor& out, const OptTensor& residual,
+                   const OptTensor& residual_out, bool residual_in_fp32, double weight_offset, bool cast_before_weight,
+                   ForwardLauncher launch) {
+  norm_forward("rms_norm_into", input, normalized_shape, weight, std::nullopt, eps, residual, residual_in_fp32,
+               /*rms=*/true, weight_offset, cast_before_weight, launch, Destination{out, residual_out});
+}
+
+void add_layer_norm_inplace(const Tensor& input, const Tensor& residual, c10::SymIntArrayRef normalized_shape,
+                            const OptTensor& weight, const OptTensor& bias, double eps, double weight_offset,
+                            bool cast_before_weight, ForwardLauncher launch) {
+  norm_forward("add_layer_norm_", input, normalized_shape, weight, bias, eps, residual, false, /*rms=*/false,
+               weight_offset, cast_before_weight, launch, Destination{input, residual, /*in_place=*/true});
+}
+
+void add_rms_norm_inplace(const Tensor& input, const Tensor& residual, c10::SymIntArrayRef normalized_shape,
+                          const OptTensor& weight, std::optional<double> eps, double weight_offset,
+                          bool cast_before_weight, ForwardLauncher launch) {
+  norm_forward("add_rms_norm_", input, normalized_shape, weight, std::nullopt, eps, residual, false, /*rms=*/true,
+               weight_offset, cast_before_weight, launch, Destination{input, residual, /*in_place=*/true});
 }
 
 std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const Tensor& saved, const Tensor& mean,

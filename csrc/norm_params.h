@@ -20,8 +20,8 @@ struct NormForwardParams {
   const void* bias = nullptr;      // nullptr: no shift (always nullptr for RMSNorm)
   void* out = nullptr;             // input_type
   void* residual_out = nullptr;    // h_type; nullptr when residual is nullptr
-  void* mean = nullptr;            // acc_type; nullptr for RMSNorm
-  void* rstd = nullptr;            // acc_type
+  void* mean = nullptr;            // acc_type; nullptr for RMSNorm and when no statistics are stored
+  void* rstd = nullptr;            // acc_type; nullptr when no statistics are stored (the inference ops)
   int device = -1;                 // the tensors' device index (-1: the CPU)
   ScalarType input_type = ScalarType::Float;
   ScalarType residual_type = ScalarType::Float;

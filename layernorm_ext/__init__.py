@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 
 from ._loader import load_method, native
 from . import ops
-from .functional import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from .functional import add_layer_norm, add_layer_norm_, add_rms_norm, add_rms_norm_, layer_norm, rms_norm
 from .modules import FusedLayerNorm, FusedRMSNorm
 from .replace import ReplaceReport, replace_norms
 
@@ -23,7 +23,9 @@ __all__ = [
     "FusedRMSNorm",
     "ReplaceReport",
     "add_layer_norm",
+    "add_layer_norm_",
     "add_rms_norm",
+    "add_rms_norm_",
     "build_info",
     "layer_norm",
     "ops",

@@ -110,6 +110,30 @@ def check_weight_offset(op: str, weight: Tensor | None, weight_offset: float) ->
                   "weight=None")
 
 
+def check_destination(op: str, name: str, input: Tensor, dest: Tensor, dtype: torch.dtype) -> None:
+    """check_destination. (check_no_overlap is not mirrored: fake tensors have no memory to compare; a traced
+    program whose buffers overlap fails when it runs.)"""
+    _check_same_device(op, name, input, dest)
+    if dest.dtype != dtype or list(dest.shape) != list(input.shape):
+        _fail(op, f"expected {name} of shape {_sizes(input.shape)} and dtype {_name(dtype)}, but got {name} of shape "
+                  f"{_sizes(dest.shape)} and dtype {_name(dest.dtype)}")
+    if not dest.is_contiguous():
+        _fail(op, f"expected {name} to be contiguous (the kernels write it row by row)")
+
+
+def check_destinations(
+    op: str, input: Tensor, out: Tensor, residual: Tensor | None, residual_out: Tensor | None, h_dtype: torch.dtype,
+    in_place: bool,
+) -> None:
+    """The destination checks of norm_forward (csrc/norm_ops.cpp) for the inference ops."""
+    check_destination(op, "input" if in_place else "out", input, out, input.dtype)
+    if (residual is None) != (residual_out is None):
+        _fail(op, "a residual needs a residual_out buffer (h = input + residual)" if residual is not None
+                  else "residual_out is given without a residual")  # fmt: skip
+    if residual_out is not None:
+        check_destination(op, "residual" if in_place else "residual_out", input, residual_out, h_dtype)
+
+
 def check_backward(
     op: str,
     grad_out: Tensor,

@@ -49,11 +49,22 @@ def layer_norm(
     memory_efficient: bool = False,
     weight_offset: float = 0.0,
     cast_before_weight: bool = False,
+    out: Tensor | None = None,
 ) -> Tensor:
     """LayerNorm over the trailing ``normalized_shape`` dims, as ``torch.nn.functional.layer_norm``.
 
     ``memory_efficient=True`` saves the output instead of the input for backward (same gradients).
     """
+    if out is not None:
+        if has_torch_function_variadic(input, weight, bias, out):
+            return handle_torch_function(
+                layer_norm, (input, weight, bias, out), input, normalized_shape, weight, bias, eps,
+                memory_efficient=memory_efficient, weight_offset=weight_offset, cast_before_weight=cast_before_weight,
+                out=out,
+            )  # fmt: skip
+        _ops.layer_norm_into.default(input, _as_shape(normalized_shape), weight, bias, eps, out, None, None, False,
+                                     weight_offset, cast_before_weight)  # fmt: skip
+        return out
     return _layer_norm(input, normalized_shape, weight, bias, eps, memory_efficient, weight_offset,
                        cast_before_weight)  # fmt: skip
 
@@ -82,12 +93,23 @@ def rms_norm(
     memory_efficient: bool = False,
     weight_offset: float = 0.0,
     cast_before_weight: bool = False,
+    out: Tensor | None = None,
 ) -> Tensor:
     """RMSNorm as ``torch.nn.functional.rms_norm``.
 
     ``eps=None`` means, as in ATen, the machine epsilon of the compute dtype: ``finfo(float32).eps`` for
     float32/float16/bfloat16 input, ``finfo(float64).eps`` for float64.
     """
+    if out is not None:
+        if has_torch_function_variadic(input, weight, out):
+            return handle_torch_function(
+                rms_norm, (input, weight, out), input, normalized_shape, weight, eps,
+                memory_efficient=memory_efficient, weight_offset=weight_offset, cast_before_weight=cast_before_weight,
+                out=out,
+            )  # fmt: skip
+        _ops.rms_norm_into.default(input, _as_shape(normalized_shape), weight, eps, out, None, None, False,
+                                   weight_offset, cast_before_weight)  # fmt: skip
+        return out
     return _rms_norm(input, normalized_shape, weight, eps, memory_efficient, weight_offset, cast_before_weight)
 
 
@@ -116,12 +138,25 @@ def add_layer_norm(
     memory_efficient: bool = False,
     weight_offset: float = 0.0,
     cast_before_weight: bool = False,
+    out: Tensor | None = None,
+    residual_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Pre-norm block: ``h = input + residual; out = layer_norm(h)``, fused. Returns ``(out, h)``.
 
     ``h`` (residual_out) has the promoted dtype of input and residual, at least float32 when
     ``residual_in_fp32``; ``out`` has the input's dtype.
     """
+    if out is not None or residual_out is not None:
+        out, residual_out = _both_buffers("add_layer_norm", out, residual_out)
+        if has_torch_function_variadic(input, residual, weight, bias, out, residual_out):
+            return handle_torch_function(
+                add_layer_norm, (input, residual, weight, bias, out, residual_out), input, residual, normalized_shape,
+                weight, bias, eps, residual_in_fp32, memory_efficient=memory_efficient, weight_offset=weight_offset,
+                cast_before_weight=cast_before_weight, out=out, residual_out=residual_out,
+            )  # fmt: skip
+        _ops.layer_norm_into.default(input, _as_shape(normalized_shape), weight, bias, eps, out, residual,
+                                     residual_out, residual_in_fp32, weight_offset, cast_before_weight)  # fmt: skip
+        return out, residual_out
     if has_torch_function_variadic(input, residual, weight, bias):
         return handle_torch_function(
             add_layer_norm, (input, residual, weight, bias), input, residual, normalized_shape, weight, bias, eps,
@@ -144,11 +179,24 @@ def add_rms_norm(
     memory_efficient: bool = False,
     weight_offset: float = 0.0,
     cast_before_weight: bool = False,
+    out: Tensor | None = None,
+    residual_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Pre-norm block: ``h = input + residual; out = rms_norm(h)``, fused. Returns ``(out, h)``.
 
     ``eps=None`` means the machine epsilon of h's compute dtype (float32, or float64 for float64 h).
     """
+    if out is not None or residual_out is not None:
+        out, residual_out = _both_buffers("add_rms_norm", out, residual_out)
+        if has_torch_function_variadic(input, residual, weight, out, residual_out):
+            return handle_torch_function(
+                add_rms_norm, (input, residual, weight, out, residual_out), input, residual, normalized_shape, weight,
+                eps, residual_in_fp32, memory_efficient=memory_efficient, weight_offset=weight_offset,
+                cast_before_weight=cast_before_weight, out=out, residual_out=residual_out,
+            )  # fmt: skip
+        _ops.rms_norm_into.default(input, _as_shape(normalized_shape), weight, eps, out, residual, residual_out,
+                                   residual_in_fp32, weight_offset, cast_before_weight)  # fmt: skip
+        return out, residual_out
     if has_torch_function_variadic(input, residual, weight):
         return handle_torch_function(
             add_rms_norm, (input, residual, weight), input, residual, normalized_shape, weight, eps,
@@ -160,6 +208,66 @@ def add_rms_norm(
                  weight_offset, cast_before_weight)  # fmt: skip
 
 
+def _both_buffers(op: str, out: Tensor | None, residual_out: Tensor | None) -> tuple[Tensor, Tensor]:
+    if out is None or residual_out is None:
+        raise RuntimeError(f"{op}: out= and residual_out= go together (the op writes both)")
+    return out, residual_out
+
+
+def add_layer_norm_(
+    input: Tensor,
+    residual: Tensor,
+    normalized_shape: ShapeLike,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """The inference engines' fused add + norm, in place: ``residual = input + residual`` (rounded to residual's
+    dtype, which must be h's: the promoted dtype of the two), then ``input = layer_norm(residual)``. Stores no
+    statistics; refuses arguments that require grad. Returns ``(input, residual)``."""
+    if has_torch_function_variadic(input, residual, weight, bias):
+        return handle_torch_function(
+            add_layer_norm_, (input, residual, weight, bias), input, residual, normalized_shape, weight, bias, eps,
+            weight_offset=weight_offset, cast_before_weight=cast_before_weight,
+        )  # fmt: skip
+    _ops.add_layer_norm_.default(input, residual, _as_shape(normalized_shape), weight, bias, eps, weight_offset,
+                                 cast_before_weight)  # fmt: skip
+    return input, residual
+
+
+def add_rms_norm_(
+    input: Tensor,
+    residual: Tensor,
+    normalized_shape: ShapeLike,
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """vLLM's ``fused_add_rms_norm``, for every dtype and device: ``residual = input + residual``, then ``input =
+    rms_norm(residual)``, in place (see :func:`add_layer_norm_`). Returns ``(input, residual)``."""
+    if has_torch_function_variadic(input, residual, weight):
+        return handle_torch_function(
+            add_rms_norm_, (input, residual, weight), input, residual, normalized_shape, weight, eps,
+            weight_offset=weight_offset, cast_before_weight=cast_before_weight,
+        )  # fmt: skip
+    _ops.add_rms_norm_.default(input, residual, _as_shape(normalized_shape), weight, eps, weight_offset,
+                               cast_before_weight)  # fmt: skip
+    return input, residual
+
+
+_OUT_DOC = """
+    ``out=`` (and, with a residual, ``residual_out=``, h's dtype): write into these contiguous buffers, which
+    must not share memory with the arguments; no statistics are computed into memory. Like ATen's out= ops,
+    this refuses arguments that require grad.
+"""
+
 for _fn in (layer_norm, rms_norm, add_layer_norm, add_rms_norm):
+    _fn.__doc__ = (_fn.__doc__ or "") + _OUT_DOC
+for _fn in (layer_norm, rms_norm, add_layer_norm, add_rms_norm, add_layer_norm_, add_rms_norm_):
     _fn.__doc__ = (_fn.__doc__ or "") + _NUMERICS_DOC
 del _fn

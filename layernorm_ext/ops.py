@@ -136,5 +136,58 @@ def _rms_norm_bwd_fake(
     return saved.new_empty(saved.shape), _param_grad_placeholder(saved, weight, None)
 
 
+# The inference ops (out=, in place): they return nothing, so their fake kernels only check (as the C++ op
+# bodies do, csrc/norm_ops.cpp: the forward's checks, then the destinations').
+
+
+def _fake_into(
+    op: str, input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
+    out: Tensor, residual: Tensor | None, residual_out: Tensor | None, residual_in_fp32: bool, weight_offset: float,
+    in_place: bool,
+) -> None:
+    _checks.check_forward(op, input, normalized_shape, weight, bias, residual)
+    _checks.check_weight_offset(op, weight, weight_offset)
+    h_dtype = input.dtype if residual is None else residual_out_dtype(input, residual, residual_in_fp32)
+    _checks.check_destinations(op, input, out, residual, residual_out, h_dtype, in_place)
+
+
+@torch.library.register_fake("layernorm_ext::layer_norm_into")
+def _layer_norm_into_fake(
+    input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None, eps: float,
+    out: Tensor, residual: Tensor | None = None, residual_out: Tensor | None = None, residual_in_fp32: bool = False,
+    weight_offset: float = 0.0, cast_before_weight: bool = False,
+) -> None:
+    _fake_into("layer_norm_into", input, normalized_shape, weight, bias, out, residual, residual_out,
+               residual_in_fp32, weight_offset, in_place=False)  # fmt: skip
+
+
+@torch.library.register_fake("layernorm_ext::rms_norm_into")
+def _rms_norm_into_fake(
+    input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, eps: float | None, out: Tensor,
+    residual: Tensor | None = None, residual_out: Tensor | None = None, residual_in_fp32: bool = False,
+    weight_offset: float = 0.0, cast_before_weight: bool = False,
+) -> None:
+    _fake_into("rms_norm_into", input, normalized_shape, weight, None, out, residual, residual_out, residual_in_fp32,
+               weight_offset, in_place=False)  # fmt: skip
+
+
+@torch.library.register_fake("layernorm_ext::add_layer_norm_")
+def _add_layer_norm_inplace_fake(
+    input: Tensor, residual: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None,
+    bias: Tensor | None = None, eps: float = 1e-5, weight_offset: float = 0.0, cast_before_weight: bool = False,
+) -> None:
+    _fake_into("add_layer_norm_", input, normalized_shape, weight, bias, input, residual, residual, False,
+               weight_offset, in_place=True)  # fmt: skip
+
+
+@torch.library.register_fake("layernorm_ext::add_rms_norm_")
+def _add_rms_norm_inplace_fake(
+    input: Tensor, residual: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None,
+    eps: float | None = None, weight_offset: float = 0.0, cast_before_weight: bool = False,
+) -> None:
+    _fake_into("add_rms_norm_", input, normalized_shape, weight, None, input, residual, residual, False,
+               weight_offset, in_place=True)  # fmt: skip
+
+
 # DTensor sharding strategies (layernorm_ext/sharding.py), registered once torch.distributed.tensor is loaded.
 sharding.register_when_imported()

@@ -278,7 +278,7 @@ void forward_split(const NormForwardParams& p, const RowKernels& k, const Forwar
     }
     const C rstd = static_cast<C>(1.0 / std::sqrt((var_or_ms < 0.0 ? 0.0 : var_or_ms) + p.eps));
     if (p.mean != nullptr) static_cast<C*>(p.mean)[row] = static_cast<C>(mean);
-    static_cast<C*>(p.rstd)[row] = rstd;
+    if (p.rstd != nullptr) static_cast<C*>(p.rstd)[row] = rstd;  // none stored by the inference ops
     for_each_range(cols, [&](int64_t, int64_t c0, int64_t c1) {
       normalize_fn(a, row, c0, c1, mean, static_cast<double>(rstd));
     });

@@ -28,8 +28,8 @@ struct ForwardRows {
   void* out;
   const void* weight;
   const void* bias;
-  void* mean;  // compute type; nullptr for RMSNorm
-  void* rstd;  // compute type
+  void* mean;  // compute type; nullptr for RMSNorm and when no statistics are stored
+  void* rstd;  // compute type; nullptr when no statistics are stored (the inference ops)
   int64_t cols;
   double eps;
   bool rms;

@@ -580,7 +580,7 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
     // A negative rounding residue of the variance counts as 0; NaN stays NaN (a NaN in the row poisons it).
     const C rstd = static_cast<C>(1.0 / __builtin_sqrt((var_or_ms < 0.0 ? 0.0 : var_or_ms) + eps));
     if (mean_out != nullptr) mean_out[row] = mean_hi;
-    rstd_out[row] = rstd;
+    if (rstd_out != nullptr) rstd_out[row] = rstd;  // none stored by the inference ops
 
     normalize(rms, src, out, weight, bias, n, mean_hi, mean_lo, rstd, round_first);
   }

@@ -282,7 +282,7 @@ __device__ __forceinline__ RowStats<A> finish_stats(const ForwardArgs<A>& a, int
   st.shift = shift;
   st.corr = static_cast<A>(mean_rest);
   st.rstd = static_cast<A>(::rsqrt((var < 0.0 ? 0.0 : var) + a.eps));  // NaN stays NaN: it poisons the row
-  if (writer) {
+  if (writer && a.rstd != nullptr) {  // the inference ops store no statistics (mean and rstd both nullptr)
     if (!kRms) a.mean[row] = static_cast<A>(static_cast<double>(shift) + mean_rest);
     a.rstd[row] = st.rstd;
   }

@@ -83,4 +83,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("grad_out"), py::arg("saved"), py::arg("rstd"), py::arg("shape"), py::arg("weight"),
       py::arg("saved_is_output"), py::arg("grad_residual_out"), py::arg("weight_offset") = 0.0);
+  m.def(
+      "rms_norm_into",
+      [](const Tensor& input, const std::vector<int64_t>& shape, const OptTensor& weight, std::optional<double> eps,
+         const Tensor& out, const OptTensor& residual, const OptTensor& residual_out) {
+        layernorm_ext::rms_norm_into(input, sym(shape), weight, eps, out, residual, residual_out, false, 0.0, false,
+                                     forward);
+      });
+  m.def(
+      "layer_norm_into",
+      [](const Tensor& input, const std::vector<int64_t>& shape, const OptTensor& weight, const OptTensor& bias,
+         double eps, const Tensor& out, const OptTensor& residual, const OptTensor& residual_out) {
+        layernorm_ext::layer_norm_into(input, sym(shape), weight, bias, eps, out, residual, residual_out, false, 0.0,
+                                       false, forward);
+      });
+  m.def("add_rms_norm_", [](const Tensor& input, const Tensor& residual, const std::vector<int64_t>& shape,
+                            const OptTensor& weight, std::optional<double> eps) {
+    layernorm_ext::add_rms_norm_inplace(input, residual, sym(shape), weight, eps, 0.0, false, forward);
+  });
+  m.def("add_layer_norm_", [](const Tensor& input, const Tensor& residual, const std::vector<int64_t>& shape,
+                              const OptTensor& weight, const OptTensor& bias, double eps) {
+    layernorm_ext::add_layer_norm_inplace(input, residual, sym(shape), weight, bias, eps, 0.0, false, forward);
+  });
 }
