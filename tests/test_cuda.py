@@ -476,6 +476,64 @@ def test_second_device(fn: str) -> None:
     assert torch.cuda.current_device() == 0
 
 
+# ---- the inference ops (out=, in place) --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [7, 1024, 5120, 65536])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_inference_ops_equal_the_functional_ops(rms: bool, n: int) -> None:
+    """out= and the in-place fused add + norm on every CUDA thread mapping: the functional ops' bits."""
+    gen = torch.Generator(device=CUDA).manual_seed(n)
+    m = 33 if n < 65536 else 4
+    x, r = _cuda_randn(gen, m, n, dtype=BF16, shift=0.3), _cuda_randn(gen, m, n, dtype=BF16)
+    w, b = _cuda_randn(gen, n, dtype=BF16, scale=0.5, shift=1.0), _cuda_randn(gen, n, dtype=BF16, scale=0.2)
+    out, h, xi, ri = torch.empty_like(x), torch.empty_like(x), x.clone(), r.clone()
+    if rms:
+        want, want_h = L.add_rms_norm(x, r, n, w)
+        L.add_rms_norm(x, r, n, w, out=out, residual_out=h)
+        L.add_rms_norm_(xi, ri, n, w)
+    else:
+        want, want_h = L.add_layer_norm(x, r, n, w, b)
+        L.add_layer_norm(x, r, n, w, b, out=out, residual_out=h)
+        L.add_layer_norm_(xi, ri, n, w, b)
+    for got, expected, what in ((out, want, "out"), (h, want_h, "residual_out"), (xi, want, "in place: input"),
+                                (ri, want_h, "in place: residual")):  # fmt: skip
+        _same_bits(got, expected, what)
+
+
+def test_inference_ops_in_a_cuda_graph_without_sync() -> None:
+    """A decode step of the in-place add + RMSNorm and an out= LayerNorm: no host sync, captured and replayed
+    on new data with the eager bits."""
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    n = 4096
+    x, r = _cuda_randn(gen, 8, n, dtype=BF16), _cuda_randn(gen, 8, n, dtype=BF16)
+    w = _cuda_randn(gen, n, dtype=BF16, scale=0.5, shift=1.0)
+    xs, rs, buf = x.clone(), r.clone(), torch.empty_like(x)
+
+    def step() -> list[Tensor]:
+        L.add_rms_norm_(xs, rs, n, w)
+        L.layer_norm(xs, n, w, None, out=buf)
+        return [buf]
+
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    graph, _ = _capture(step)
+    for trial in range(2):
+        new_x, new_r = _cuda_randn(gen, 8, n, dtype=BF16), _cuda_randn(gen, 8, n, dtype=BF16)
+        xs.copy_(new_x)
+        rs.copy_(new_r)
+        graph.replay()
+        want_x, want_r = L.add_rms_norm(new_x, new_r, n, w)
+        _same_bits(xs, want_x, f"replay {trial}: input")
+        _same_bits(rs, want_r, f"replay {trial}: residual")
+        _same_bits(buf, L.layer_norm(want_x, n, w, None), f"replay {trial}: out")
+
+
 # ---- no host synchronization ------------------------------------------------------------------------------
 
 

@@ -272,3 +272,39 @@ def test_emulated_numerics_options(
     assert_no_worse_than_aten(out, c_out, r_out, "out")
     for name, grad in grads.items():
         assert_no_worse_than_aten(grad, _baseline(r_grads[name], c_grads[name]), r_grads[name], f"grad_{name}")
+
+
+# ---- the inference ops (out=, in place) -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [7, 769, 4096, 20000, 40000])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_emulated_inference_ops(emulated: ModuleType, rms: bool, dtype: torch.dtype, n: int) -> None:
+    """out= and the in-place fused add + norm on every thread mapping (the long paths stage h in shared memory or
+    read it again from residual_out, which in place is residual itself): the forward op's bits, no statistics."""
+    gen = torch.Generator().manual_seed(n)
+    m = _rows(n)
+    x = (torch.randn(m, n, generator=gen) * 2 + 0.3).to(dtype)
+    r = torch.randn(m, n, generator=gen).to(dtype)
+    w = (torch.randn(n, generator=gen) * 0.5 + 1).to(dtype)
+    b = (torch.randn(n, generator=gen) * 0.2).to(dtype)
+    if rms:
+        want, _, _ = emulated.rms_norm_fwd(x, [n], w, 1e-6, None, False)
+        want_r, want_h, _ = emulated.rms_norm_fwd(x, [n], w, 1e-6, r, False)
+    else:
+        want, _, _, _ = emulated.layer_norm_fwd(x, [n], w, b, 1e-5, None, False)
+        want_r, want_h, _, _ = emulated.layer_norm_fwd(x, [n], w, b, 1e-5, r, False)
+    out, out_r, h = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+    xi, ri = x.clone(), r.clone()
+    if rms:
+        emulated.rms_norm_into(x, [n], w, 1e-6, out, None, None)
+        emulated.rms_norm_into(x, [n], w, 1e-6, out_r, r, h)
+        emulated.add_rms_norm_(xi, ri, [n], w, 1e-6)
+    else:
+        emulated.layer_norm_into(x, [n], w, b, 1e-5, out, None, None)
+        emulated.layer_norm_into(x, [n], w, b, 1e-5, out_r, r, h)
+        emulated.add_layer_norm_(xi, ri, [n], w, b, 1e-5)
+    for got, expected, what in ((out, want, "out"), (out_r, want_r, "out with residual"), (h, want_h, "residual_out"),
+                                (xi, want_r, "in place: input"), (ri, want_h, "in place: residual")):  # fmt: skip
+        assert torch.equal(got, expected), what
