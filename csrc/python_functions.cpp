@@ -13,6 +13,8 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/utils/python_arg_parser.h>
 
+#include <type_traits>
+
 #include "norm.h"
 
 namespace layernorm_ext {
@@ -34,6 +36,14 @@ using AddLayerNormSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&,
                                                    bool);
 using AddRmsNormSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, c10::SymIntArrayRef, const OptTensor&,
                                                  std::optional<double>, bool, bool, double, bool);
+using LayerNormIntoSig = void(const Tensor&, c10::SymIntArrayRef, const OptTensor&, const OptTensor&, double,
+                              const Tensor&, const OptTensor&, const OptTensor&, bool, double, bool);
+using RmsNormIntoSig = void(const Tensor&, c10::SymIntArrayRef, const OptTensor&, std::optional<double>, const Tensor&,
+                            const OptTensor&, const OptTensor&, bool, double, bool);
+using AddLayerNormInplaceSig = void(const Tensor&, const Tensor&, c10::SymIntArrayRef, const OptTensor&,
+                                    const OptTensor&, double, double, bool);
+using AddRmsNormInplaceSig = void(const Tensor&, const Tensor&, c10::SymIntArrayRef, const OptTensor&,
+                                  std::optional<double>, double, bool);
 
 PyObject* wrap(Tensor out) { return THPVariable_Wrap(std::move(out)); }
 
@@ -56,16 +66,25 @@ PyObject* parse_and_call(torch::PythonArgParser& parser, PyObject* args, PyObjec
   END_HANDLE_TH_ERRORS
 }
 
-// The op called with arguments already taken from Python, the GIL released meanwhile.
+// The op called with arguments already taken from Python, the GIL released meanwhile (None for the ops that
+// return nothing: the inference ops write into their arguments).
 template <class Signature, class... Args>
 PyObject* call_without_gil(const char* op, const Args&... args) {
   const auto& handle = op_handle<Signature>(op);
-  decltype(handle.call(args...)) result;
-  {
-    pybind11::gil_scoped_release no_gil;
-    result = handle.call(args...);
+  if constexpr (std::is_void_v<decltype(handle.call(args...))>) {
+    {
+      pybind11::gil_scoped_release no_gil;
+      handle.call(args...);
+    }
+    Py_RETURN_NONE;
+  } else {
+    decltype(handle.call(args...)) result;
+    {
+      pybind11::gil_scoped_release no_gil;
+      result = handle.call(args...);
+    }
+    return wrap(std::move(result));
   }
-  return wrap(std::move(result));
 }
 
 PyObject* layer_norm(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
@@ -118,6 +137,58 @@ PyObject* add_rms_norm(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
   });
 }
 
+PyObject* layer_norm_into(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
+  static torch::PythonArgParser parser({
+      "layer_norm_into(Tensor input, SymIntArrayRef normalized_shape, Tensor? weight, Tensor? bias, double eps, "
+      "Tensor out, Tensor? residual=None, Tensor? residual_out=None, bool residual_in_fp32=False, "
+      "double weight_offset=0, bool cast_before_weight=False)",
+  });
+  return parse_and_call<11>(parser, args, kwargs, [](torch::PythonArgs& r) {
+    return call_without_gil<LayerNormIntoSig>("layernorm_ext::layer_norm_into", r.tensor(0), r.symintlist(1),
+                                              r.optionalTensor(2), r.optionalTensor(3), r.toDouble(4), r.tensor(5),
+                                              r.optionalTensor(6), r.optionalTensor(7), r.toBool(8), r.toDouble(9),
+                                              r.toBool(10));
+  });
+}
+
+PyObject* rms_norm_into(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
+  static torch::PythonArgParser parser({
+      "rms_norm_into(Tensor input, SymIntArrayRef normalized_shape, Tensor? weight, double? eps, Tensor out, "
+      "Tensor? residual=None, Tensor? residual_out=None, bool residual_in_fp32=False, double weight_offset=0, "
+      "bool cast_before_weight=False)",
+  });
+  return parse_and_call<10>(parser, args, kwargs, [](torch::PythonArgs& r) {
+    return call_without_gil<RmsNormIntoSig>("layernorm_ext::rms_norm_into", r.tensor(0), r.symintlist(1),
+                                            r.optionalTensor(2), r.toDoubleOptional(3), r.tensor(4),
+                                            r.optionalTensor(5), r.optionalTensor(6), r.toBool(7), r.toDouble(8),
+                                            r.toBool(9));
+  });
+}
+
+PyObject* add_layer_norm_(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
+  static torch::PythonArgParser parser({
+      "add_layer_norm_(Tensor input, Tensor residual, SymIntArrayRef normalized_shape, Tensor? weight=None, "
+      "Tensor? bias=None, double eps=1e-05, double weight_offset=0, bool cast_before_weight=False)",
+  });
+  return parse_and_call<8>(parser, args, kwargs, [](torch::PythonArgs& r) {
+    return call_without_gil<AddLayerNormInplaceSig>("layernorm_ext::add_layer_norm_", r.tensor(0), r.tensor(1),
+                                                    r.symintlist(2), r.optionalTensor(3), r.optionalTensor(4),
+                                                    r.toDouble(5), r.toDouble(6), r.toBool(7));
+  });
+}
+
+PyObject* add_rms_norm_(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
+  static torch::PythonArgParser parser({
+      "add_rms_norm_(Tensor input, Tensor residual, SymIntArrayRef normalized_shape, Tensor? weight=None, "
+      "double? eps=None, double weight_offset=0, bool cast_before_weight=False)",
+  });
+  return parse_and_call<7>(parser, args, kwargs, [](torch::PythonArgs& r) {
+    return call_without_gil<AddRmsNormInplaceSig>("layernorm_ext::add_rms_norm_", r.tensor(0), r.tensor(1),
+                                                  r.symintlist(2), r.optionalTensor(3), r.toDoubleOptional(4),
+                                                  r.toDouble(5), r.toBool(6));
+  });
+}
+
 PyMethodDef methods[] = {
     {"layer_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(layer_norm)),
      METH_VARARGS | METH_KEYWORDS, "the op layernorm_ext::layer_norm (eager entry of functional.layer_norm)"},
@@ -127,6 +198,14 @@ PyMethodDef methods[] = {
      METH_VARARGS | METH_KEYWORDS, "the op layernorm_ext::add_layer_norm (eager entry of functional.add_layer_norm)"},
     {"add_rms_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(add_rms_norm)),
      METH_VARARGS | METH_KEYWORDS, "the op layernorm_ext::add_rms_norm (eager entry of functional.add_rms_norm)"},
+    {"layer_norm_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(layer_norm_into)),
+     METH_VARARGS | METH_KEYWORDS, "the op layernorm_ext::layer_norm_into (eager entry of out=)"},
+    {"rms_norm_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rms_norm_into)),
+     METH_VARARGS | METH_KEYWORDS, "the op layernorm_ext::rms_norm_into (eager entry of out=)"},
+    {"add_layer_norm_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(add_layer_norm_)),
+     METH_VARARGS | METH_KEYWORDS, "the op layernorm_ext::add_layer_norm_ (eager entry of functional.add_layer_norm_)"},
+    {"add_rms_norm_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(add_rms_norm_)),
+     METH_VARARGS | METH_KEYWORDS, "the op layernorm_ext::add_rms_norm_ (eager entry of functional.add_rms_norm_)"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -62,8 +62,9 @@ def layer_norm(
                 memory_efficient=memory_efficient, weight_offset=weight_offset, cast_before_weight=cast_before_weight,
                 out=out,
             )  # fmt: skip
-        _ops.layer_norm_into.default(input, _as_shape(normalized_shape), weight, bias, eps, out, None, None, False,
-                                     weight_offset, cast_before_weight)  # fmt: skip
+        entry = _ops.layer_norm_into.default if _is_compiling() else native.layer_norm_into
+        entry(input, _as_shape(normalized_shape), weight, bias, eps, out, None, None, False, weight_offset,
+              cast_before_weight)  # fmt: skip
         return out
     return _layer_norm(input, normalized_shape, weight, bias, eps, memory_efficient, weight_offset,
                        cast_before_weight)  # fmt: skip
@@ -107,8 +108,9 @@ def rms_norm(
                 memory_efficient=memory_efficient, weight_offset=weight_offset, cast_before_weight=cast_before_weight,
                 out=out,
             )  # fmt: skip
-        _ops.rms_norm_into.default(input, _as_shape(normalized_shape), weight, eps, out, None, None, False,
-                                   weight_offset, cast_before_weight)  # fmt: skip
+        entry = _ops.rms_norm_into.default if _is_compiling() else native.rms_norm_into
+        entry(input, _as_shape(normalized_shape), weight, eps, out, None, None, False, weight_offset,
+              cast_before_weight)  # fmt: skip
         return out
     return _rms_norm(input, normalized_shape, weight, eps, memory_efficient, weight_offset, cast_before_weight)
 
@@ -154,8 +156,9 @@ def add_layer_norm(
                 weight, bias, eps, residual_in_fp32, memory_efficient=memory_efficient, weight_offset=weight_offset,
                 cast_before_weight=cast_before_weight, out=out, residual_out=residual_out,
             )  # fmt: skip
-        _ops.layer_norm_into.default(input, _as_shape(normalized_shape), weight, bias, eps, out, residual,
-                                     residual_out, residual_in_fp32, weight_offset, cast_before_weight)  # fmt: skip
+        entry = _ops.layer_norm_into.default if _is_compiling() else native.layer_norm_into
+        entry(input, _as_shape(normalized_shape), weight, bias, eps, out, residual, residual_out, residual_in_fp32,
+              weight_offset, cast_before_weight)  # fmt: skip
         return out, residual_out
     if has_torch_function_variadic(input, residual, weight, bias):
         return handle_torch_function(
@@ -194,8 +197,9 @@ def add_rms_norm(
                 eps, residual_in_fp32, memory_efficient=memory_efficient, weight_offset=weight_offset,
                 cast_before_weight=cast_before_weight, out=out, residual_out=residual_out,
             )  # fmt: skip
-        _ops.rms_norm_into.default(input, _as_shape(normalized_shape), weight, eps, out, residual, residual_out,
-                                   residual_in_fp32, weight_offset, cast_before_weight)  # fmt: skip
+        entry = _ops.rms_norm_into.default if _is_compiling() else native.rms_norm_into
+        entry(input, _as_shape(normalized_shape), weight, eps, out, residual, residual_out, residual_in_fp32,
+              weight_offset, cast_before_weight)  # fmt: skip
         return out, residual_out
     if has_torch_function_variadic(input, residual, weight):
         return handle_torch_function(
@@ -233,8 +237,8 @@ def add_layer_norm_(
             add_layer_norm_, (input, residual, weight, bias), input, residual, normalized_shape, weight, bias, eps,
             weight_offset=weight_offset, cast_before_weight=cast_before_weight,
         )  # fmt: skip
-    _ops.add_layer_norm_.default(input, residual, _as_shape(normalized_shape), weight, bias, eps, weight_offset,
-                                 cast_before_weight)  # fmt: skip
+    entry = _ops.add_layer_norm_.default if _is_compiling() else native.add_layer_norm_
+    entry(input, residual, _as_shape(normalized_shape), weight, bias, eps, weight_offset, cast_before_weight)
     return input, residual
 
 
@@ -255,8 +259,8 @@ def add_rms_norm_(
             add_rms_norm_, (input, residual, weight), input, residual, normalized_shape, weight, eps,
             weight_offset=weight_offset, cast_before_weight=cast_before_weight,
         )  # fmt: skip
-    _ops.add_rms_norm_.default(input, residual, _as_shape(normalized_shape), weight, eps, weight_offset,
-                               cast_before_weight)  # fmt: skip
+    entry = _ops.add_rms_norm_.default if _is_compiling() else native.add_rms_norm_
+    entry(input, residual, _as_shape(normalized_shape), weight, eps, weight_offset, cast_before_weight)
     return input, residual
 
 
