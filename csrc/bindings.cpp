@@ -56,6 +56,19 @@ TORCH_LIBRARY(layernorm_ext, m) {
   m.def(
       "add_rms_norm_(Tensor(a!) input, Tensor(b!) residual, SymInt[] normalized_shape, Tensor? weight=None, "
       "float? eps=None, float weight_offset=0., bool cast_before_weight=False) -> ()");
+  // Quantized output (csrc/quant_math.h has the arithmetic): the forward written as float8_e4m3fn or int8
+  // codes (out), with a static scale (one float32) or, without one, a dynamic scale per row from the row's
+  // absmax, capped by scale_ub, returned as scales (shaped as the rows, 1 for each normalized dim; [0] for a
+  // static scale). residual_out is h with a residual ([0] without). No statistics, no autograd (inference ops).
+  m.def(
+      "layer_norm_quant(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
+      "ScalarType quant_dtype, Tensor? scale=None, Tensor? scale_ub=None, Tensor? residual=None, "
+      "bool residual_in_fp32=False, float weight_offset=0., bool cast_before_weight=False) "
+      "-> (Tensor out, Tensor scales, Tensor residual_out)");
+  m.def(
+      "rms_norm_quant(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps, ScalarType quant_dtype, "
+      "Tensor? scale=None, Tensor? scale_ub=None, Tensor? residual=None, bool residual_in_fp32=False, "
+      "float weight_offset=0., bool cast_before_weight=False) -> (Tensor out, Tensor scales, Tensor residual_out)");
   // The functional API (layernorm_ext/functional.py): each the forward op above, returning only what the user
   // gets, which spares an eager call the statistics' Python objects (CompositeImplicitAutograd, in
   // norm_autograd.cpp: autograd, fake tensors, DTensor and autocast all act on the forward op).
@@ -144,7 +157,8 @@ void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/)
 
 TORCH_LIBRARY_IMPL(layernorm_ext, CUDA, m) {
   for (const char* name : {"layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd", "layer_norm_into",
-                           "rms_norm_into", "add_layer_norm_", "add_rms_norm_"}) {
+                           "rms_norm_into", "add_layer_norm_", "add_rms_norm_", "layer_norm_quant",
+                           "rms_norm_quant"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   }
 }

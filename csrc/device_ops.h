@@ -74,6 +74,26 @@ struct DeviceOps {
     add_rms_norm_inplace(input, residual, shape, weight, eps, weight_offset, cast_before_weight, kForward);
   }
 
+  static std::tuple<Tensor, Tensor, Tensor> layer_norm_q(const Tensor& input, c10::SymIntArrayRef shape,
+                                                         const OptTensor& weight, const OptTensor& bias, double eps,
+                                                         ScalarType quant_dtype, const OptTensor& scale,
+                                                         const OptTensor& scale_ub, const OptTensor& residual,
+                                                         bool residual_in_fp32, double weight_offset,
+                                                         bool cast_before_weight) {
+    return layer_norm_quant(input, shape, weight, bias, eps, quant_dtype, scale, scale_ub, residual,
+                            residual_in_fp32, weight_offset, cast_before_weight, kForward);
+  }
+
+  static std::tuple<Tensor, Tensor, Tensor> rms_norm_q(const Tensor& input, c10::SymIntArrayRef shape,
+                                                       const OptTensor& weight, std::optional<double> eps,
+                                                       ScalarType quant_dtype, const OptTensor& scale,
+                                                       const OptTensor& scale_ub, const OptTensor& residual,
+                                                       bool residual_in_fp32, double weight_offset,
+                                                       bool cast_before_weight) {
+    return rms_norm_quant(input, shape, weight, eps, quant_dtype, scale, scale_ub, residual, residual_in_fp32,
+                          weight_offset, cast_before_weight, kForward);
+  }
+
   static void register_to(torch::Library& m) {
     m.impl("layer_norm_fwd", &layer_norm);
     m.impl("rms_norm_fwd", &rms_norm);
@@ -83,6 +103,8 @@ struct DeviceOps {
     m.impl("rms_norm_into", &rms_norm_out);
     m.impl("add_layer_norm_", &add_layer_norm_);
     m.impl("add_rms_norm_", &add_rms_norm_);
+    m.impl("layer_norm_quant", &layer_norm_q);
+    m.impl("rms_norm_quant", &rms_norm_q);
   }
 };
 

@@ -41,6 +41,10 @@ void check_weight_offset(const char* op, const OptTensor& weight, double weight_
 // A caller's output buffer (out=, residual_out=, or the in-place ops' input / residual): on input's device,
 // input's shape, the given dtype, contiguous.
 void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest, ScalarType dtype);
+// The quantized-output ops: quant_dtype float8_e4m3fn or int8; scale (static) and scale_ub (a cap of the
+// dynamic scale, so never with scale) float32 tensors of one element on input's device.
+void check_quant_args(const char* op, const Tensor& input, ScalarType quant_dtype, const OptTensor& scale,
+                      const OptTensor& scale_ub);
 // An out= buffer must not share memory with what the op reads.
 void check_no_overlap(const char* op, const char* name, const Tensor& dest, const char* other_name,
                       const Tensor& other);
@@ -84,6 +88,21 @@ void add_layer_norm_inplace(const Tensor& input, const Tensor& residual, c10::Sy
 void add_rms_norm_inplace(const Tensor& input, const Tensor& residual, c10::SymIntArrayRef normalized_shape,
                           const OptTensor& weight, std::optional<double> eps, double weight_offset,
                           bool cast_before_weight, ForwardLauncher launch);
+// Quantized output (csrc/quant_math.h): the forward's out as float8_e4m3fn or int8 codes, with a static scale
+// or a dynamic one per row, computed in the same pass and returned ([0] for a static scale), and residual_out
+// with a residual ([0] without). No statistics are stored.
+std::tuple<Tensor, Tensor, Tensor> layer_norm_quant(const Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                                    const OptTensor& weight, const OptTensor& bias, double eps,
+                                                    ScalarType quant_dtype, const OptTensor& scale,
+                                                    const OptTensor& scale_ub, const OptTensor& residual,
+                                                    bool residual_in_fp32, double weight_offset,
+                                                    bool cast_before_weight, ForwardLauncher launch);
+std::tuple<Tensor, Tensor, Tensor> rms_norm_quant(const Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                                  const OptTensor& weight, std::optional<double> eps,
+                                                  ScalarType quant_dtype, const OptTensor& scale,
+                                                  const OptTensor& scale_ub, const OptTensor& residual,
+                                                  bool residual_in_fp32, double weight_offset,
+                                                  bool cast_before_weight, ForwardLauncher launch);
 std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& grad_out, const Tensor& saved, const Tensor& rstd,
                                         c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                                         bool saved_is_output, const OptTensor& grad_residual_out,

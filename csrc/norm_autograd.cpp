@@ -460,10 +460,10 @@ TORCH_LIBRARY_IMPL(layernorm_ext, CompositeImplicitAutograd, m) {
 
 namespace {
 
-// The inference ops (out= and in place, boxed: one body for all four) on the Autograd key: as ATen's out= ops,
-// they refuse to run on arguments that require grad while grad mode is on (their results would have no graph),
-// then run the kernel and bump the version of every tensor they wrote, which autograd's saved-tensor checks and
-// memory_efficient's cache (saved_output_cache.cpp) rely on.
+// The inference ops (out=, in place and quantized output, boxed: one body for all six) on the Autograd key: as
+// ATen's out= ops, they refuse to run on arguments that require grad while grad mode is on (their results would
+// have no graph), then run the kernel and bump the version of every tensor they wrote, which autograd's saved-tensor
+// checks and memory_efficient's cache (saved_output_cache.cpp) rely on.
 void inference_op_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const c10::FunctionSchema& schema = op.schema();
   const std::string& qualified = schema.name();
@@ -476,7 +476,7 @@ void inference_op_autograd(const c10::OperatorHandle& op, torch::jit::Stack* sta
     const Tensor& t = first[i].toTensor();
     const c10::Argument& arg = schema.arguments()[i];
     TORCH_CHECK(!(c10::GradMode::is_enabled() && t.requires_grad()), name,
-                ": the inference ops (out=, in place) don't support automatic differentiation, but ", arg.name(),
+                ": the inference ops (out=, in place, quantized output) don't support automatic differentiation, but ", arg.name(),
                 " requires grad; call them under torch.no_grad() / torch.inference_mode(), or use the functional "
                 "form without out=");
     if (arg.alias_info() != nullptr && arg.alias_info()->isWrite()) written.push_back(t);
@@ -497,7 +497,8 @@ TORCH_LIBRARY_IMPL(layernorm_ext, Autograd, m) {
   m.impl("rms_norm_fwd", &rms_norm_autograd);
   m.impl("layer_norm_bwd", &layer_norm_bwd_autograd);
   m.impl("rms_norm_bwd", &rms_norm_bwd_autograd);
-  for (const char* name : {"layer_norm_into", "rms_norm_into", "add_layer_norm_", "add_rms_norm_"}) {
+  for (const char* name : {"layer_norm_into", "rms_norm_into", "add_layer_norm_", "add_rms_norm_",
+                           "layer_norm_quant", "rms_norm_quant"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&inference_op_autograd>());
   }
 }

@@ -163,6 +163,22 @@ void check_no_overlap(const char* op, const char* name, const Tensor& dest, cons
               "add_rms_norm_ write into input and residual)");
 }
 
+void check_quant_args(const char* op, const Tensor& input, ScalarType quant_dtype, const OptTensor& scale,
+                      const OptTensor& scale_ub) {
+  TORCH_CHECK(quant_dtype == ScalarType::Float8_e4m3fn || quant_dtype == ScalarType::Char, op,
+              ": expected quant_dtype to be torch.float8_e4m3fn or torch.int8, but got ", quant_dtype);
+  TORCH_CHECK(!(scale.has_value() && scale_ub.has_value()), op,
+              ": scale_ub caps the dynamic per-row scale, so it cannot be given with a static scale");
+  auto check_one_float = [&](const char* name, const Tensor& t) {
+    check_same_device(op, name, input, t);
+    TORCH_CHECK(t.scalar_type() == ScalarType::Float && t.numel() == 1, op, ": expected ", name,
+                " to be a float32 tensor of one element, but got ", name, " of dtype ", t.scalar_type(),
+                " and shape ", t.sizes());
+  };
+  if (scale.has_value()) check_one_float("scale", *scale);
+  if (scale_ub.has_value()) check_one_float("scale_ub", *scale_ub);
+}
+
 void check_weight_offset(const char* op, const OptTensor& weight, double weight_offset) {
   TORCH_CHECK(std::isfinite(weight_offset), op, ": expected a finite weight_offset, but got ", weight_offset);
   TORCH_CHECK(weight_offset == 0.0 || weight.has_value(), op, ": weight_offset=", weight_offset,

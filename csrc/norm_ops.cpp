@@ -1,6 +1,7 @@
 // Device-independent bodies of the ops: check arguments, make inputs contiguous, allocate outputs, fill a
 // parameter block, and hand it to the device's launcher. LayerNorm and RMSNorm share every line (rms flag).
 #include "norm.h"
+#include "quant_math.h"
 
 #include <limits>
 
@@ -26,6 +27,14 @@ double default_rms_eps(ScalarType acc_type) {
 
 struct ForwardResult {
   Tensor out, residual_out, mean, rstd;
+  Tensor scales;  // the quantized ops' per-row scales (dynamic), else undefined
+};
+
+// A quantized output (the *_norm_quant ops): codes of quant_dtype instead of out, with a static scale or,
+// without one, a dynamic scale per row (capped by scale_ub).
+struct QuantRequest {
+  ScalarType dtype;
+  OptTensor scale, scale_ub;
 };
 
 // Where a forward writes: new tensors with the statistics (the ops autograd saves from), or the caller's
@@ -35,6 +44,7 @@ struct ForwardResult {
 struct Destination {
   OptTensor out, residual_out;
   bool in_place = false;
+  const QuantRequest* quant = nullptr;  // new tensors: codes, scales, residual_out, and no statistics
 };
 
 ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntArrayRef normalized_shape_sym,
@@ -48,6 +58,7 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
                                                      : input_arg.scalar_type();
   const ScalarType acc = acc_type_for(h_type);
   const bool given = dest.out.has_value();
+  if (dest.quant != nullptr) check_quant_args(op, input_arg, dest.quant->dtype, dest.quant->scale, dest.quant->scale_ub);
   if (given) {
     const char* out_name = dest.in_place ? "input" : "out";
     check_destination(op, out_name, input_arg, *dest.out, input_arg.scalar_type());
@@ -75,9 +86,21 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   const OptTensor residual = contiguous(residual_arg);
 
   ForwardResult r;
+  const bool dynamic_scale = dest.quant != nullptr && !dest.quant->scale.has_value();
+  const OptTensor scale = dest.quant != nullptr ? contiguous(dest.quant->scale) : std::nullopt;
+  const OptTensor scale_ub = dest.quant != nullptr ? contiguous(dest.quant->scale_ub) : std::nullopt;
   if (given) {
     r.out = *dest.out;  // nothing returned: no placeholder either
     if (residual.has_value()) r.residual_out = *dest.residual_out;
+  } else if (dest.quant != nullptr) {
+    r.out = at::empty(input.sizes(), input.options().dtype(dest.quant->dtype));
+    r.residual_out = residual.has_value() ? at::empty(input.sizes(), input.options().dtype(h_type))
+                                          : placeholder(input, input.scalar_type());
+    // One scale per row, shaped as the rows with 1 for each normalized dim: it broadcasts against the codes.
+    std::vector<int64_t> scale_shape = g.stat_shape;
+    scale_shape.resize(scale_shape.size() + normalized_shape.size(), 1);
+    r.scales = dynamic_scale ? at::empty(scale_shape, input.options().dtype(ScalarType::Float))
+                             : placeholder(input, ScalarType::Float);
   } else {
     r.out = at::empty(input.sizes(), input.options());
     r.residual_out = residual.has_value() ? at::empty(input.sizes(), input.options().dtype(h_type))
@@ -90,6 +113,9 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     // Rows of no elements (a 0 in normalized_shape): as ATen, mean 0 and rstd NaN (0 / 0 variance).
     if (r.mean.defined()) r.mean.zero_();
     if (r.rstd.defined()) r.rstd.fill_(std::numeric_limits<double>::quiet_NaN());
+    if (dynamic_scale) {  // rows of no elements: absmax 0, hence the smallest scale (quant_math.h)
+      r.scales.fill_(quant::dynamic_scale(0.0f, nullptr, dest.quant->dtype == ScalarType::Char));
+    }
     return r;
   }
 
@@ -115,6 +141,14 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   p.rms = rms;
   p.weight_offset = weight_offset;
   p.cast_before_weight = cast_before_weight;
+  if (dest.quant != nullptr) {
+    p.out = nullptr;
+    p.codes = r.out.data_ptr();
+    p.quant_type = dest.quant->dtype;
+    p.scale = scale.has_value() ? scale->data_ptr<float>() : nullptr;
+    p.scale_ub = scale_ub.has_value() ? scale_ub->data_ptr<float>() : nullptr;
+    p.row_scales = dynamic_scale ? r.scales.data_ptr<float>() : nullptr;
+  }
   launch(p);
   return r;
 }
@@ -233,6 +267,34 @@ void add_rms_norm_inplace(const Tensor& input, const Tensor& residual, c10::SymI
                           bool cast_before_weight, ForwardLauncher launch) {
   norm_forward("add_rms_norm_", input, normalized_shape, weight, std::nullopt, eps, residual, false, /*rms=*/true,
                weight_offset, cast_before_weight, launch, Destination{input, residual, /*in_place=*/true});
+}
+
+std::tuple<Tensor, Tensor, Tensor> layer_norm_quant(const Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                                    const OptTensor& weight, const OptTensor& bias, double eps,
+                                                    ScalarType quant_dtype, const OptTensor& scale,
+                                                    const OptTensor& scale_ub, const OptTensor& residual,
+                                                    bool residual_in_fp32, double weight_offset,
+                                                    bool cast_before_weight, ForwardLauncher launch) {
+  const QuantRequest quant{quant_dtype, scale, scale_ub};
+  Destination dest;
+  dest.quant = &quant;
+  ForwardResult r = norm_forward("layer_norm_quant", input, normalized_shape, weight, bias, eps, residual,
+                                 residual_in_fp32, /*rms=*/false, weight_offset, cast_before_weight, launch, dest);
+  return {r.out, r.scales, r.residual_out};
+}
+
+std::tuple<Tensor, Tensor, Tensor> rms_norm_quant(const Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                                  const OptTensor& weight, std::optional<double> eps,
+                                                  ScalarType quant_dtype, const OptTensor& scale,
+                                                  const OptTensor& scale_ub, const OptTensor& residual,
+                                                  bool residual_in_fp32, double weight_offset,
+                                                  bool cast_before_weight, ForwardLauncher launch) {
+  const QuantRequest quant{quant_dtype, scale, scale_ub};
+  Destination dest;
+  dest.quant = &quant;
+  ForwardResult r = norm_forward("rms_norm_quant", input, normalized_shape, weight, std::nullopt, eps, residual,
+                                 residual_in_fp32, /*rms=*/true, weight_offset, cast_before_weight, launch, dest);
+  return {r.out, r.scales, r.residual_out};
 }
 
 std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const Tensor& saved, const Tensor& mean,

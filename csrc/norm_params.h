@@ -38,6 +38,15 @@ struct NormForwardParams {
   // once. Both need a weight (the op body checks it); rounding to a float32/float64 output changes nothing.
   double weight_offset = 0.0;
   bool cast_before_weight = false;
+  // Quantized output (the *_norm_quant ops, csrc/quant_math.h): codes replaces out, one byte per element,
+  // float8_e4m3fn or int8 (quant_type). With scale (one float32 on the device) the scale is static; without
+  // it each row's scale is computed from its absmax (capped by scale_ub when given) and written to
+  // row_scales (float32, one per row).
+  void* codes = nullptr;  // nullptr: out is written instead
+  ScalarType quant_type = ScalarType::Float8_e4m3fn;
+  const float* scale = nullptr;
+  const float* scale_ub = nullptr;
+  float* row_scales = nullptr;
 };
 
 // One backward call. saved is h (saved_is_output = false) or the forward's out (true, the memory-efficient

@@ -160,7 +160,9 @@ struct KeptBuffer {
 };
 
 // What each buffer holds (one per element type and slot, per thread).
-enum ScratchSlot { kWeightSlot, kBiasSlot, kDweightSlot, kDbiasSlot, kBlockDweightSlot, kBlockDbiasSlot };
+enum ScratchSlot {
+  kWeightSlot, kBiasSlot, kDweightSlot, kDbiasSlot, kBlockDweightSlot, kBlockDbiasSlot, kQuantRowSlot
+};
 
 template <typename T, int kSlot>
 class ScratchLease {
@@ -313,11 +315,29 @@ void forward_with(const NormForwardParams& p, const RowKernels& k) {
   a.eps = p.eps;
   a.cast_before_weight = p.cast_before_weight;
   a.rms = p.rms;
-  if (split_rows(p.rows, p.cols)) {
+  a.codes = p.codes;
+  a.quant_int8 = p.quant_type == ScalarType::Char;
+  a.scale = p.scale;
+  a.scale_ub = p.scale_ub;
+  a.row_scales = p.row_scales;
+  a.row_buffer = nullptr;
+  if (p.codes == nullptr && split_rows(p.rows, p.cols)) {
     forward_split<C>(p, k, a, src);
     return;
   }
   const int64_t grain = std::max<int64_t>(1, kParallelGrainElems / p.cols);
+  if (p.codes != nullptr) {
+    // Quantized output (one thread per row, even for a few long rows: the dynamic scale needs the whole row):
+    // each thread normalizes a row into its own buffer of out's dtype, then encodes it.
+    const int64_t row_bytes = p.cols * static_cast<int64_t>(c10::elementSize(p.input_type));
+    at::parallel_for(0, p.rows, grain, [&](int64_t begin, int64_t end) {
+      ScratchLease<double, kQuantRowSlot> row_scratch;
+      ForwardRows own = a;
+      own.row_buffer = row_scratch.get((row_bytes + 7) / 8);
+      rows_fn(own, begin, end);
+    });
+    return;
+  }
   at::parallel_for(0, p.rows, grain, [&](int64_t begin, int64_t end) { rows_fn(a, begin, end); });
 }
 

@@ -34,6 +34,15 @@ struct ForwardRows {
   double eps;
   bool rms;
   bool cast_before_weight;
+  // Quantized output (quant_math.h): each row is normalized into row_buffer (cols values of out's dtype, the
+  // calling thread's own) and then written to codes as int8 (quant_int8) or float8_e4m3fn, scaled by the
+  // static scale or, when scale is nullptr, by the row's dynamic scale, stored to row_scales.
+  void* codes;  // nullptr: out is written
+  bool quant_int8;
+  const float* scale;
+  const float* scale_ub;  // nullptr: no cap
+  float* row_scales;
+  void* row_buffer;
 };
 using ForwardRowsFn = void (*)(const ForwardRows& a, int64_t begin, int64_t end);
 

@@ -36,6 +36,7 @@
 
 #include <immintrin.h>
 
+#include "../quant_math.h"
 #include "row_kernels.h"
 
 #ifdef LNX_TARGET
@@ -517,6 +518,49 @@ inline void normalize(bool rms, const S* src, Y* out, const C* weight, const C* 
   }
 }
 
+// The quantized output of one normalized row y (out's dtype Y; quant_math.h has the arithmetic): the row's
+// scale (static, or from its absmax, stored), then the codes. Vectors of floats convert y; the codes are
+// written lane by lane.
+template <class Y, class Code, Code (*kEncode)(float)>
+inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64_t n) {
+  constexpr int64_t L = kFloatLanes;
+  float lanes[L];
+  auto load_floats_at = [&](int64_t j, int64_t count) {  // y[j, j + count) into lanes
+    if constexpr (std::is_same_v<Y, double>) {
+      for (int64_t i = 0; i < count; ++i) lanes[i] = static_cast<float>(y[j + i]);
+    } else {
+      const Vec<float> v = count == L ? load<float>(y + j) : load_part<float>(y + j, count);
+      std::memcpy(lanes, &v, sizeof(v));
+    }
+  };
+  float inv_scale;
+  if (a.scale != nullptr) {
+    inv_scale = 1.0f / *a.scale;
+  } else {
+    float absmax = 0.0f;
+    for (int64_t j = 0; j < n; j += L) {
+      const int64_t count = min64(L, n - j);
+      load_floats_at(j, count);
+      for (int64_t i = 0; i < count; ++i) absmax = quant::nan_max(absmax, __builtin_fabsf(lanes[i]));
+    }
+    const float scale = quant::dynamic_scale(absmax, a.scale_ub, a.quant_int8);
+    a.row_scales[row] = scale;
+    inv_scale = 1.0f / scale;
+  }
+  Code* codes = static_cast<Code*>(a.codes) + row * n;
+  for (int64_t j = 0; j < n; j += L) {
+    const int64_t count = min64(L, n - j);
+    load_floats_at(j, count);
+    for (int64_t i = 0; i < count; ++i) codes[j + i] = kEncode(lanes[i] * inv_scale);
+  }
+}
+
+template <class Y>
+inline void quantize_row(const ForwardRows& a, int64_t row, const Y* y, int64_t n) {
+  if (a.quant_int8) return quantize_row_as<Y, int8_t, &quant::to_int8>(a, row, y, n);
+  quantize_row_as<Y, uint8_t, &quant::to_e4m3fn>(a, row, y, n);
+}
+
 template <class S, class Y>
 void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
   using C = ComputeOf<S>;
@@ -539,7 +583,8 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
     } else {
       src = static_cast<const S*>(a.input) + offset;
     }
-    Y* out = static_cast<Y*>(a.out) + offset;
+    // Quantized output: the row normalized into the thread's buffer, then encoded from it.
+    Y* out = a.codes != nullptr ? static_cast<Y*>(a.row_buffer) : static_cast<Y*>(a.out) + offset;
 
     C mean_hi = 0, mean_lo = 0;
     double var_or_ms;
@@ -583,6 +628,7 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
     if (rstd_out != nullptr) rstd_out[row] = rstd;  // none stored by the inference ops
 
     normalize(rms, src, out, weight, bias, n, mean_hi, mean_lo, rstd, round_first);
+    if (a.codes != nullptr) quantize_row(a, row, out, n);
   }
 }
 

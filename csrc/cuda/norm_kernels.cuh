@@ -55,6 +55,7 @@ inline c10::DataPtr workspace(size_t bytes) { return c10::cuda::CUDACachingAlloc
 #include <type_traits>
 
 #include "../norm_params.h"
+#include "../quant_math.h"
 
 namespace layernorm_ext {
 namespace cuda {
@@ -173,6 +174,17 @@ __device__ __forceinline__ Sums<A, K> shfl_xor(const Sums<A, K>& s, int offset) 
   return r;
 }
 
+// A row's max |y| for the dynamic quantization scale; NaN wins (quant_math.h), so any order gives the same.
+struct AbsMax {
+  float v;
+};
+
+__device__ __forceinline__ AbsMax combine(const AbsMax& x, const AbsMax& y) { return {quant::nan_max(x.v, y.v)}; }
+
+__device__ __forceinline__ AbsMax shfl_xor(const AbsMax& s, int offset) {
+  return {__shfl_xor_sync(0xffffffffu, s.v, offset)};
+}
+
 // All-reduce over the `lanes` threads of one row: a power of two up to 32 (a sub-warp, aligned inside its
 // warp), or a multiple of 32 spanning the whole block. Every thread of the block must call it. `scratch`:
 // shared memory for one Stat per warp.
@@ -219,6 +231,24 @@ struct ForwardArgs {
   int rows_per_block;
 };
 
+// Quantized output (quant_math.h): codes (int8 or float8_e4m3fn bytes) instead of out, scaled by the static
+// scale or, where scale is nullptr, by the row's dynamic scale (stored to row_scales). Only the quantized
+// kernel variants take it, as a parameter of their own: a larger ForwardArgs changes how ptxas allocates the
+// plain kernels' registers.
+struct QuantArgs {
+  void* codes;
+  const float* scale;
+  const float* scale_ub;  // nullptr: no cap
+  float* row_scales;
+  bool int8;
+};
+
+// The kernels' optional QuantArgs parameter (a pack of none or one), called only where there is one.
+template <typename... Quant>
+__device__ __forceinline__ const QuantArgs& quant_args(const QuantArgs& q) {
+  return q;
+}
+
 // h for one pack: the input, or round_to_Th(input + residual) (written to residual_out), in the compute type.
 template <typename Tin, typename Th, typename A, int kVec>
 __device__ __forceinline__ void load_h(const ForwardArgs<A>& a, int64_t unit, A (&h)[kVec]) {
@@ -243,12 +273,11 @@ struct RowStats {
   A shift, corr, rstd;
 };
 
-// out = xhat * scale + bias (LayerNorm) or xhat * scale (RMSNorm), scale = weight + weight_offset, for one
+// y = xhat * scale + bias (LayerNorm) or xhat * scale (RMSNorm), scale = weight + weight_offset, for one
 // pack; with cast_before_weight xhat is rounded to the output dtype first.
 template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
-__device__ __forceinline__ void normalize_store(const ForwardArgs<A>& a, int64_t row, int64_t col_unit,
-                                                const A (&h)[kVec], const RowStats<A>& st) {
-  A y[kVec];
+__device__ __forceinline__ void normalize_pack(const ForwardArgs<A>& a, int64_t col_unit, const A (&h)[kVec],
+                                               const RowStats<A>& st, A (&y)[kVec]) {
 #pragma unroll
   for (int j = 0; j < kVec; ++j) y[j] = kRms ? h[j] * st.rstd : ((h[j] - st.shift) - st.corr) * st.rstd;
   if (a.weight != nullptr) {
@@ -267,7 +296,63 @@ __device__ __forceinline__ void normalize_store(const ForwardArgs<A>& a, int64_t
 #pragma unroll
     for (int j = 0; j < kVec; ++j) y[j] += b[j];
   }
+}
+
+// out for one pack.
+template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
+__device__ __forceinline__ void normalize_store(const ForwardArgs<A>& a, int64_t row, int64_t col_unit,
+                                                const A (&h)[kVec], const RowStats<A>& st) {
+  A y[kVec];
+  normalize_pack<Tin, Tw, kRms, A, kVec>(a, col_unit, h, st, y);
   store_pack<Tin, A, kVec>(a.out, row * a.units + col_unit, y);
+}
+
+// One pack of the output as the unquantized op returns it (rounded to Tin), as float: what gets quantized.
+template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
+__device__ __forceinline__ void output_floats(const ForwardArgs<A>& a, int64_t col_unit, const A (&h)[kVec],
+                                              const RowStats<A>& st, float (&f)[kVec]) {
+  A y[kVec];
+  normalize_pack<Tin, Tw, kRms, A, kVec>(a, col_unit, h, st, y);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) f[j] = static_cast<float>(to_acc<A>(from_acc<Tin>(y[j])));
+}
+
+// absmax folded with the pack's |output| values.
+template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
+__device__ __forceinline__ float fold_absmax(const ForwardArgs<A>& a, int64_t col_unit, const A (&h)[kVec],
+                                             const RowStats<A>& st, float absmax) {
+  float f[kVec];
+  output_floats<Tin, Tw, kRms, A, kVec>(a, col_unit, h, st, f);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) absmax = quant::nan_max(absmax, fabsf(f[j]));
+  return absmax;
+}
+
+// The quantized codes of one pack, given the row's 1 / scale.
+template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
+__device__ __forceinline__ void quantize_store(const ForwardArgs<A>& a, const QuantArgs& q, int64_t row,
+                                               int64_t col_unit, const A (&h)[kVec], const RowStats<A>& st,
+                                               float inv_scale) {
+  float f[kVec];
+  output_floats<Tin, Tw, kRms, A, kVec>(a, col_unit, h, st, f);
+  Pack<uint8_t, kVec> codes;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    codes.v[j] = q.int8 ? static_cast<uint8_t>(quant::to_int8(f[j] * inv_scale)) : quant::to_e4m3fn(f[j] * inv_scale);
+  }
+  reinterpret_cast<Pack<uint8_t, kVec>*>(q.codes)[row * a.units + col_unit] = codes;
+}
+
+// The row's 1 / scale for its codes: the static scale's, or the dynamic one from the row's absmax (each
+// thread's own, all-reduced over the row's `lanes` threads), which `writer` stores. In dynamic mode every
+// thread of the block must call it (the all-reduce).
+__device__ __forceinline__ float row_inv_scale(const QuantArgs& q, int64_t row, bool writer, float absmax, int lanes,
+                                               AbsMax* scratch) {
+  if (q.scale != nullptr) return 1.0f / *q.scale;
+  absmax = row_allreduce(AbsMax{absmax}, lanes, scratch).v;
+  const float scale = quant::dynamic_scale(absmax, q.scale_ub, q.int8);
+  if (writer) q.row_scales[row] = scale;
+  return 1.0f / scale;
 }
 
 // The row's statistics from its mean, given as shift + mean_rest (shift of the compute type, the rest in
@@ -298,10 +383,12 @@ constexpr int kSmallRowsBlock = 128;  // block size when a (sub-)warp handles a 
 // all-reduces the row's sum for a shift (the mean, rounded), then the sums of d = h - shift and d^2 (exact
 // centring: no Welford divisions, and a variance free of the mean's rounding); RMSNorm the sum of squares.
 // Each lane adds its own values in the compute type, the lanes' sums are added in double. Then each lane
-// normalizes the values it holds.
-template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, int kPacks>
-__global__ void __launch_bounds__(kMaxRowThreads) forward_rows_kernel(ForwardArgs<acc_t<Th>> a) {
+// normalizes the values it holds. kQuant (quantized output): the lane computes its output values twice from
+// the registers, folding their absmax (all-reduced like the sums) for a dynamic scale, then stores codes.
+template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, int kPacks, typename... Quant>
+__global__ void __launch_bounds__(kMaxRowThreads) forward_rows_kernel(ForwardArgs<acc_t<Th>> a, Quant... quant) {
   using A = acc_t<Th>;
+  constexpr bool kQuant = sizeof...(Quant) == 1;
   using Moments = Sums<double, kRms ? 1 : 2>;
   __shared__ Sums<A, 1> shift_scratch[kMaxRowThreads / 32];
   __shared__ Moments scratch[kMaxRowThreads / 32];
@@ -380,10 +467,34 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_rows_kernel(ForwardArg
       const double rest = m.v[0] * a.inv_cols;  // mean(d): what the shift lacks of the mean
       st = finish_stats<kRms>(a, row, row_ok && lane == 0, shift, rest, m.v[1] * a.inv_cols - rest * rest);
     }
+    if constexpr (!kQuant) {
 #pragma unroll
-    for (int p = 0; p < kPacks; ++p) {
-      if (p < held) {
-        normalize_store<Tin, Tw, kRms, A, kVec>(a, row, static_cast<int64_t>(p) * a.lanes + lane, h[p], st);
+      for (int p = 0; p < kPacks; ++p) {
+        if (p < held) {
+          normalize_store<Tin, Tw, kRms, A, kVec>(a, row, static_cast<int64_t>(p) * a.lanes + lane, h[p], st);
+        }
+      }
+    } else {
+      // Quantized output: the output values twice from the registers, for the absmax (dynamic scale), then
+      // for the codes.
+      __shared__ AbsMax absmax_scratch[kMaxRowThreads / 32];
+      const QuantArgs& q = quant_args<Quant...>(quant...);
+      float absmax = 0.0f;
+      if (q.scale == nullptr) {
+#pragma unroll
+        for (int p = 0; p < kPacks; ++p) {
+          if (p < held) {
+            absmax = fold_absmax<Tin, Tw, kRms, A, kVec>(a, static_cast<int64_t>(p) * a.lanes + lane, h[p], st, absmax);
+          }
+        }
+      }
+      const float inv_scale = row_inv_scale(q, row, row_ok && lane == 0, absmax, a.lanes, absmax_scratch);
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+        if (p < held) {
+          quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row, static_cast<int64_t>(p) * a.lanes + lane, h[p], st,
+                                                 inv_scale);
+        }
       }
     }
   }
@@ -393,13 +504,16 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_rows_kernel(ForwardArg
 // handles packs t, t + blockDim, ... Pass 1 reads h once, merges each pack's Welford state into the
 // thread's (sum of squares for RMSNorm) and, when the row fits (dynamic shared memory given), stages h in
 // shared memory as the compute type. Block all-reduce; pass 2 normalizes from shared memory, or re-reads
-// the row (the input, or residual_out that the same thread wrote in pass 1).
+// the row (the input, or residual_out that the same thread wrote in pass 1). kQuant: a pass more, the same
+// way, for the absmax of a dynamic scale, before the pass that stores the codes.
 // A thread merges hundreds of packs one after another (2^20 columns: 256 per thread), so its statistics and
 // the all-reduce are kept in double: in float the mean and rstd of such rows drift by tens of ulps, which
 // shows in dweight when only a row or two contribute.
-template <typename Tin, typename Th, typename Tw, bool kRms, int kVec>
-__global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArgs<acc_t<Th>> a, bool staged) {
+template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, typename... Quant>
+__global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArgs<acc_t<Th>> a, bool staged,
+                                                                      Quant... quant) {
   using A = acc_t<Th>;
+  constexpr bool kQuant = sizeof...(Quant) == 1;
   using W = double;
   using Stat = std::conditional_t<kRms, Sums<W, 1>, Welford<W>>;
   __shared__ Stat scratch[kMaxRowThreads / 32];
@@ -436,8 +550,8 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       const A shift = static_cast<A>(s.mean);
       st = finish_stats<kRms>(a, row, threadIdx.x == 0, shift, s.mean - static_cast<double>(shift), s.m2 * a.inv_cols);
     }
-    for (int64_t unit = threadIdx.x; unit < a.units; unit += blockDim.x) {
-      A h[kVec];
+    // h of a pack again: from the stage, or re-read (residual_out was written by this very thread).
+    auto reload = [&](int64_t unit, A (&h)[kVec]) {
       if (staged) {
 #pragma unroll
         for (int j = 0; j < kVec; ++j) h[j] = stage[unit * kVec + j];
@@ -446,7 +560,32 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       } else {
         load_pack<A, Tin, kVec>(a.input, row * a.units + unit, h);
       }
-      normalize_store<Tin, Tw, kRms, A, kVec>(a, row, unit, h, st);
+    };
+    if constexpr (!kQuant) {
+      for (int64_t unit = threadIdx.x; unit < a.units; unit += blockDim.x) {
+        A h[kVec];
+        reload(unit, h);
+        normalize_store<Tin, Tw, kRms, A, kVec>(a, row, unit, h, st);
+      }
+    } else {
+      // Quantized output: a pass for the absmax (dynamic scale), then one for the codes.
+      __shared__ AbsMax absmax_scratch[kMaxRowThreads / 32];
+      const QuantArgs& q = quant_args<Quant...>(quant...);
+      float absmax = 0.0f;
+      if (q.scale == nullptr) {
+        for (int64_t unit = threadIdx.x; unit < a.units; unit += blockDim.x) {
+          A h[kVec];
+          reload(unit, h);
+          absmax = fold_absmax<Tin, Tw, kRms, A, kVec>(a, unit, h, st, absmax);
+        }
+      }
+      const float inv_scale =
+          row_inv_scale(q, row, threadIdx.x == 0, absmax, static_cast<int>(blockDim.x), absmax_scratch);
+      for (int64_t unit = threadIdx.x; unit < a.units; unit += blockDim.x) {
+        A h[kVec];
+        reload(unit, h);
+        quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row, unit, h, st, inv_scale);
+      }
     }
     if (staged) __syncthreads();  // the next row overwrites the stage
   }
@@ -836,7 +975,7 @@ void with_packs(int packs, F&& f) {
   }
 }
 
-template <typename Tin, typename Th, typename Tw, bool kRms, int kVec>
+template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, bool kQuant>
 void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
   using A = acc_t<Th>;
   ForwardArgs<A> a;
@@ -856,6 +995,7 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
   a.weight_offset = static_cast<A>(p.weight_offset);
   a.cast_before_weight = p.cast_before_weight;
   a.residual_type = p.residual_type;
+  const QuantArgs q{p.codes, p.scale, p.scale_ub, p.row_scales, p.quant_type == ScalarType::Char};
   constexpr int kMax = max_packs<A, kVec>(false);
   const RowPlan plan = plan_rows(a.units, kMax);
   if (!plan.long_path) {
@@ -864,20 +1004,35 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
     const int threads = plan.lanes * plan.rows_per_block;
     const int64_t grid = grid_for((p.rows + plan.rows_per_block - 1) / plan.rows_per_block);
     with_packs<kMax>(plan.packs, [&](auto packs) {
-      auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, decltype(packs)::value>;
-      LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, 0, stream)(a);
+      if constexpr (kQuant) {
+        auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, decltype(packs)::value, QuantArgs>;
+        LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, 0, stream)(a, q);
+      } else {
+        auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, decltype(packs)::value>;
+        LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, 0, stream)(a);
+      }
     });
   } else {
     a.lanes = kMaxRowThreads;
     a.rows_per_block = 1;
-    auto kernel = forward_long_kernel<Tin, Th, Tw, kRms, kVec>;
     const size_t stage = static_cast<size_t>(p.cols) * sizeof(A);
-    const bool staged = stage <= static_cast<size_t>(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin)) -
-                                     sizeof(Welford<A>) * (kMaxRowThreads / 32);
-    if (staged) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(stage)));
+    // The kernel's static shared memory: its all-reduce scratch (a double Welford state or sum per warp) and
+    // the quantized output's absmax scratch.
+    constexpr size_t kStaticShared = (sizeof(Welford<double>) + sizeof(AbsMax)) * (kMaxRowThreads / 32);
+    const bool staged =
+        stage <= static_cast<size_t>(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin)) - kStaticShared;
+    const unsigned grid = static_cast<unsigned>(grid_for(p.rows));
+    auto launch = [&](auto kernel, auto... quant) {
+      if (staged) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(stage)));
+      }
+      LNX_LAUNCH(kernel, grid, kMaxRowThreads, staged ? stage : 0, stream)(a, staged, quant...);
+    };
+    if constexpr (kQuant) {
+      launch(forward_long_kernel<Tin, Th, Tw, kRms, kVec, QuantArgs>, q);
+    } else {
+      launch(forward_long_kernel<Tin, Th, Tw, kRms, kVec>);
     }
-    LNX_LAUNCH(kernel, static_cast<unsigned>(grid_for(p.rows)), kMaxRowThreads, staged ? stage : 0, stream)(a, staged);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -913,9 +1068,15 @@ void launch_forward(const NormForwardParams& p) {
                           pack_aligned<kVec>(p.out, sizeof(Tin)) && pack_aligned<kVec>(p.weight, sizeof(Tw)) &&
                           pack_aligned<kVec>(p.bias, sizeof(Tw)) &&
                           pack_aligned<kVec>(p.residual, c10::elementSize(p.residual_type)) &&
-                          pack_aligned<kVec>(p.residual_out, sizeof(Th));
+                          pack_aligned<kVec>(p.residual_out, sizeof(Th)) && pack_aligned<kVec>(p.codes, 1);
+  // Quantized output is a kernel variant of its own (kQuant), so that the plain kernels' registers are not
+  // sized for its extra pass.
   with_variant<kVec>(p.rms, vectorized, [&](auto rms, auto width) {
-    launch_forward_vec<Tin, Th, Tw, decltype(rms)::value, decltype(width)::value>(p, current_stream());
+    if (p.codes != nullptr) {
+      launch_forward_vec<Tin, Th, Tw, decltype(rms)::value, decltype(width)::value, true>(p, current_stream());
+    } else {
+      launch_forward_vec<Tin, Th, Tw, decltype(rms)::value, decltype(width)::value, false>(p, current_stream());
+    }
   });
 }
 

@@ -1,0 +1,79 @@
+// The arithmetic of the quantized outputs (the *_norm_quant ops), shared by the CPU and the CUDA kernels so that
+// both give the same bits, and written out so that a composite PyTorch reference reproduces it exactly:
+//   y      = the norm's output rounded to the input dtype (what the unquantized op returns), as float32
+//   static:  inv = 1 / scale
+//   dynamic: absmax = max |y| over the row (NaN when the row holds a NaN), capped at scale_ub when given;
+//            scale = max(absmax / qmax, min_scale), stored per row; inv = 1 / scale
+//   code   = float8_e4m3fn: y * inv clamped to [-448, 448], rounded to nearest even (NaN stays NaN);
+//            int8: y * inv clamped to [-128, 127], rounded to nearest even, NaN gives 0.
+// min_scale (vLLM's): 1 / (448 * 512) for float8_e4m3fn, float32's epsilon for int8, so that a row of zeros
+// gets a positive scale and codes 0.
+// Plain C++ (no torch header): the CPU instruction-set objects include it; every function has internal linkage.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define LNX_QUANT_FN static __host__ __device__ __forceinline__
+#else
+#define LNX_QUANT_FN static inline
+#endif
+
+namespace layernorm_ext {
+namespace quant {
+
+constexpr float kFp8Max = 448.0f;
+constexpr float kInt8Max = 127.0f;
+constexpr float kFp8MinScale = 1.0f / (448.0f * 512.0f);
+constexpr float kInt8MinScale = 1.1920928955078125e-07f;  // float32's epsilon
+
+LNX_QUANT_FN uint32_t float_bits(float v) {
+  uint32_t b;
+  memcpy(&b, &v, 4);
+  return b;
+}
+
+LNX_QUANT_FN float bits_float(uint32_t b) {
+  float v;
+  memcpy(&v, &b, 4);
+  return v;
+}
+
+// max(m, |a|) that propagates NaN (as torch.amax): once m is NaN it stays NaN.
+LNX_QUANT_FN float nan_max(float m, float a) { return (a > m || a != a) ? a : m; }
+
+// float -> float8_e4m3fn bits: saturate to +-448, round to nearest even, NaN -> 0x7f (with the sign).
+// Normal results (|v| >= 2^-6) round the float's mantissa to 3 bits and rebias the exponent (127 -> 7);
+// subnormal ones are |v| in units of 2^-9 rounded to an integer (2^23 added: the add rounds), which also
+// gives the smallest normal, 0x08, where |v| rounds up to 2^-6.
+LNX_QUANT_FN uint8_t to_e4m3fn(float v) {
+  v = v > kFp8Max ? kFp8Max : (v < -kFp8Max ? -kFp8Max : v);  // NaN passes
+  const uint32_t x = float_bits(v);
+  const uint32_t sign = (x >> 24) & 0x80u;
+  const uint32_t ax = x & 0x7fffffffu;
+  const uint32_t normal = ((ax + 0x7ffffu + ((ax >> 20) & 1u)) >> 20) - (120u << 3);
+  const uint32_t subnormal = float_bits(bits_float(ax) * 512.0f + 8388608.0f) - 0x4b000000u;
+  uint32_t magnitude = ax >= 0x3c800000u ? normal : subnormal;
+  magnitude = ax > 0x7f800000u ? 0x7fu : magnitude;
+  return static_cast<uint8_t>(sign | magnitude);
+}
+
+// float -> int8: NaN -> 0, saturate to [-128, 127], round to nearest even (1.5 * 2^23 added: the add rounds).
+LNX_QUANT_FN int8_t to_int8(float v) {
+  v = v != v ? 0.0f : v;
+  v = v > kInt8Max ? kInt8Max : (v < -128.0f ? -128.0f : v);
+  const float rounded = (v + 12582912.0f) - 12582912.0f;
+  return static_cast<int8_t>(static_cast<int32_t>(rounded));
+}
+
+// A row's dynamic scale from its absmax; ub: the cap (nullptr: none). NaN stays NaN.
+LNX_QUANT_FN float dynamic_scale(float absmax, const float* ub, bool int8) {
+  if (ub != nullptr && absmax > *ub) absmax = *ub;
+  const float scale = absmax / (int8 ? kInt8Max : kFp8Max);
+  const float min_scale = int8 ? kInt8MinScale : kFp8MinScale;
+  return scale < min_scale ? min_scale : scale;
+}
+
+}  // namespace quant
+}  // namespace layernorm_ext
