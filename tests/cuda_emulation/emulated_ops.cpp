@@ -101,6 +101,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             const OptTensor& weight, std::optional<double> eps) {
     layernorm_ext::add_rms_norm_inplace(input, residual, sym(shape), weight, eps, 0.0, false, forward);
   });
+  m.def(
+      "layer_norm_quant",
+      [](const Tensor& input, const std::vector<int64_t>& shape, const OptTensor& weight, const OptTensor& bias,
+         double eps, at::ScalarType quant_dtype, const OptTensor& scale, const OptTensor& scale_ub,
+         const OptTensor& residual) {
+        return layernorm_ext::layer_norm_quant(input, sym(shape), weight, bias, eps, quant_dtype, scale, scale_ub,
+                                               residual, false, 0.0, false, forward);
+      });
+  m.def(
+      "rms_norm_quant",
+      [](const Tensor& input, const std::vector<int64_t>& shape, const OptTensor& weight, std::optional<double> eps,
+         at::ScalarType quant_dtype, const OptTensor& scale, const OptTensor& scale_ub, const OptTensor& residual) {
+        return layernorm_ext::rms_norm_quant(input, sym(shape), weight, eps, quant_dtype, scale, scale_ub, residual,
+                                             false, 0.0, false, forward);
+      });
   m.def("add_layer_norm_", [](const Tensor& input, const Tensor& residual, const std::vector<int64_t>& shape,
                               const OptTensor& weight, const OptTensor& bias, double eps) {
     layernorm_ext::add_layer_norm_inplace(input, residual, sym(shape), weight, bias, eps, 0.0, false, forward);
