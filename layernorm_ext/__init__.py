@@ -8,6 +8,7 @@ from ._loader import load_method, native
 from . import ops
 from .functional import add_layer_norm, add_layer_norm_, add_rms_norm, add_rms_norm_, layer_norm, rms_norm
 from .modules import FusedLayerNorm, FusedRMSNorm
+from .quantized import add_layer_norm_quant, add_rms_norm_quant, layer_norm_quant, rms_norm_quant
 from .replace import ReplaceReport, replace_norms
 
 
@@ -24,11 +25,15 @@ __all__ = [
     "ReplaceReport",
     "add_layer_norm",
     "add_layer_norm_",
+    "add_layer_norm_quant",
     "add_rms_norm",
     "add_rms_norm_",
+    "add_rms_norm_quant",
     "build_info",
     "layer_norm",
+    "layer_norm_quant",
     "ops",
     "replace_norms",
     "rms_norm",
+    "rms_norm_quant",
 ]

@@ -21,7 +21,7 @@ _C10_NAMES = {
     torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
     torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
     torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
-    torch.complex32: "ComplexHalf",
+    torch.complex32: "ComplexHalf", torch.float8_e4m3fn: "Float8_e4m3fn", torch.float8_e5m2: "Float8_e5m2",
 }  # fmt: skip
 
 
@@ -108,6 +108,23 @@ def check_weight_offset(op: str, weight: Tensor | None, weight_offset: float) ->
     if weight_offset != 0.0 and weight is None:
         _fail(op, f"weight_offset={weight_offset:g} needs a weight (the scale is weight + weight_offset), but got "
                   "weight=None")
+
+
+def check_quant(
+    op: str, input: Tensor, quant_dtype: torch.dtype, scale: Tensor | None, scale_ub: Tensor | None
+) -> None:
+    """check_quant_args."""
+    if quant_dtype not in (torch.float8_e4m3fn, torch.int8):
+        _fail(op, f"expected quant_dtype to be torch.float8_e4m3fn or torch.int8, but got {_name(quant_dtype)}")
+    if scale is not None and scale_ub is not None:
+        _fail(op, "scale_ub caps the dynamic per-row scale, so it cannot be given with a static scale")
+    for name, t in (("scale", scale), ("scale_ub", scale_ub)):
+        if t is None:
+            continue
+        _check_same_device(op, name, input, t)
+        if t.dtype != torch.float32 or t.numel() != 1:
+            _fail(op, f"expected {name} to be a float32 tensor of one element, but got {name} of dtype "
+                      f"{_name(t.dtype)} and shape {_sizes(t.shape)}")
 
 
 def check_destination(op: str, name: str, input: Tensor, dest: Tensor, dtype: torch.dtype) -> None:

@@ -189,5 +189,47 @@ def _add_rms_norm_inplace_fake(
                weight_offset, in_place=True)  # fmt: skip
 
 
+# Quantized output: codes of quant_dtype, the dynamic scales (one per row, shaped as the rows with a 1 for each
+# normalized dim; [0] for a static scale) and, with a residual, h.
+
+
+def _fake_quant(
+    op: str, input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
+    quant_dtype: torch.dtype, scale: Tensor | None, scale_ub: Tensor | None, residual: Tensor | None,
+    residual_in_fp32: bool, weight_offset: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual)
+    _checks.check_weight_offset(op, weight, weight_offset)
+    _checks.check_quant(op, input, quant_dtype, scale, scale_ub)
+    h_dtype = input.dtype if residual is None else residual_out_dtype(input, residual, residual_in_fp32)
+    codes = input.new_empty(input.shape, dtype=quant_dtype)
+    scale_shape = (*stat_shape, *([1] * len(normalized_shape))) if scale is None else (0,)
+    scales = input.new_empty(scale_shape, dtype=torch.float32)
+    residual_out = input.new_empty(input.shape if residual is not None else (0,), dtype=h_dtype)
+    return codes, scales, residual_out
+
+
+@torch.library.register_fake("layernorm_ext::layer_norm_quant")
+def _layer_norm_quant_fake(
+    input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None, eps: float,
+    quant_dtype: torch.dtype, scale: Tensor | None = None, scale_ub: Tensor | None = None,
+    residual: Tensor | None = None, residual_in_fp32: bool = False, weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _fake_quant("layer_norm_quant", input, normalized_shape, weight, bias, quant_dtype, scale, scale_ub,
+                       residual, residual_in_fp32, weight_offset)  # fmt: skip
+
+
+@torch.library.register_fake("layernorm_ext::rms_norm_quant")
+def _rms_norm_quant_fake(
+    input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, eps: float | None,
+    quant_dtype: torch.dtype, scale: Tensor | None = None, scale_ub: Tensor | None = None,
+    residual: Tensor | None = None, residual_in_fp32: bool = False, weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _fake_quant("rms_norm_quant", input, normalized_shape, weight, None, quant_dtype, scale, scale_ub,
+                       residual, residual_in_fp32, weight_offset)  # fmt: skip
+
+
 # DTensor sharding strategies (layernorm_ext/sharding.py), registered once torch.distributed.tensor is loaded.
 sharding.register_when_imported()

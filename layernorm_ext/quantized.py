@@ -1,0 +1,132 @@
+"""Quantized output: LayerNorm / RMSNorm (and their fused residual variants) written as float8_e4m3fn or int8.
+
+The engines' ``rms_norm_static_fp8_quant`` / ``fused_add_rms_norm_static_fp8_quant`` (a static scale) and
+``rms_norm_dynamic_per_token_quant`` (a scale per row, from the row's absmax, computed in the same pass), for
+LayerNorm and RMSNorm, every input dtype, CPU and CUDA. Each function is one call of
+``torch.ops.layernorm_ext.layer_norm_quant`` / ``rms_norm_quant`` (csrc/quant_math.h has the arithmetic):
+
+- ``y`` is what the unquantized function returns (rounded to the input dtype), taken as float32;
+- static: ``codes = encode(y * (1 / scale))``; dynamic: ``absmax = max |y|`` over the row (NaN if the row holds
+  a NaN), capped at ``scale_ub`` when given, ``scale = max(absmax / qmax, min_scale)``, ``codes = encode(y *
+  (1 / scale))``; qmax is 448 (float8_e4m3fn) or 127 (int8), min_scale 1 / (448 * 512) or float32's epsilon, so
+  that a row of zeros gets codes 0 and a positive scale;
+- float8_e4m3fn: clamp to [-448, 448] (saturating: an infinity gives +-448), round to nearest even, NaN stays
+  NaN; int8: clamp to [-128, 127], round half to even, NaN gives 0.
+
+``codes.float() * scale`` dequantizes (the dynamic scales are shaped as the rows with a 1 for each normalized
+dim, so they broadcast). They store no statistics and, like the other inference ops, refuse arguments that
+require grad while grad mode is on.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import ops  # noqa: F401  (registers the fake kernels)
+from .functional import ShapeLike, _as_shape
+
+_ops = torch.ops.layernorm_ext
+
+_ARGS_DOC = """
+    ``quant_dtype``: torch.float8_e4m3fn (default) or torch.int8. ``scale``: a float32 tensor of one element
+    on the input's device, the static scale; without it each row gets its own scale, capped by ``scale_ub`` (a
+    float32 tensor of one element) when given. ``weight_offset`` / ``cast_before_weight`` as in
+    :func:`layernorm_ext.layer_norm`. The scales are not checked for being positive and finite (on CUDA that
+    would cost a host sync).
+"""
+
+
+def layer_norm_quant(
+    input: Tensor,
+    normalized_shape: ShapeLike,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    quant_dtype: torch.dtype = torch.float8_e4m3fn,
+    scale: Tensor | None = None,
+    scale_ub: Tensor | None = None,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``layer_norm(input, ...)`` quantized: returns ``(codes, scale)``, ``scale`` the one given (static) or the
+    rows' scales (dynamic)."""
+    codes, scales, _ = _ops.layer_norm_quant.default(
+        input, _as_shape(normalized_shape), weight, bias, eps, quant_dtype, scale, scale_ub, None, False,
+        weight_offset, cast_before_weight,
+    )  # fmt: skip
+    return codes, scale if scale is not None else scales
+
+
+def rms_norm_quant(
+    input: Tensor,
+    normalized_shape: ShapeLike,
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    quant_dtype: torch.dtype = torch.float8_e4m3fn,
+    scale: Tensor | None = None,
+    scale_ub: Tensor | None = None,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``rms_norm(input, ...)`` quantized (vLLM's ``rms_norm_static_fp8_quant`` with ``scale``,
+    ``rms_norm_dynamic_per_token_quant`` without): returns ``(codes, scale)``."""
+    codes, scales, _ = _ops.rms_norm_quant.default(
+        input, _as_shape(normalized_shape), weight, eps, quant_dtype, scale, scale_ub, None, False, weight_offset,
+        cast_before_weight,
+    )  # fmt: skip
+    return codes, scale if scale is not None else scales
+
+
+def add_layer_norm_quant(
+    input: Tensor,
+    residual: Tensor,
+    normalized_shape: ShapeLike,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    quant_dtype: torch.dtype = torch.float8_e4m3fn,
+    scale: Tensor | None = None,
+    scale_ub: Tensor | None = None,
+    residual_in_fp32: bool = False,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``h = input + residual``, then ``layer_norm(h)`` quantized: returns ``(codes, scale, h)`` (h as in
+    :func:`layernorm_ext.add_layer_norm`)."""
+    codes, scales, residual_out = _ops.layer_norm_quant.default(
+        input, _as_shape(normalized_shape), weight, bias, eps, quant_dtype, scale, scale_ub, residual,
+        residual_in_fp32, weight_offset, cast_before_weight,
+    )  # fmt: skip
+    return codes, scale if scale is not None else scales, residual_out
+
+
+def add_rms_norm_quant(
+    input: Tensor,
+    residual: Tensor,
+    normalized_shape: ShapeLike,
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    quant_dtype: torch.dtype = torch.float8_e4m3fn,
+    scale: Tensor | None = None,
+    scale_ub: Tensor | None = None,
+    residual_in_fp32: bool = False,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``h = input + residual``, then ``rms_norm(h)`` quantized (vLLM's ``fused_add_rms_norm_static_fp8_quant``
+    with ``scale``; without it, the dynamic per-row variant): returns ``(codes, scale, h)``."""
+    codes, scales, residual_out = _ops.rms_norm_quant.default(
+        input, _as_shape(normalized_shape), weight, eps, quant_dtype, scale, scale_ub, residual, residual_in_fp32,
+        weight_offset, cast_before_weight,
+    )  # fmt: skip
+    return codes, scale if scale is not None else scales, residual_out
+
+
+for _fn in (layer_norm_quant, rms_norm_quant, add_layer_norm_quant, add_rms_norm_quant):
+    _fn.__doc__ = (_fn.__doc__ or "") + _ARGS_DOC
+del _fn
