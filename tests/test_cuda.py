@@ -534,6 +534,49 @@ def test_inference_ops_in_a_cuda_graph_without_sync() -> None:
         _same_bits(buf, L.layer_norm(want_x, n, w, None), f"replay {trial}: out")
 
 
+@pytest.mark.parametrize("n", [7, 1024, 5125, 65536])
+@pytest.mark.parametrize("quant_dtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "i8"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_quantized_output_is_the_composite_of_the_functional_op(rms: bool, quant_dtype: torch.dtype, n: int) -> None:
+    """Quantized output on every CUDA thread mapping (vectorized and element-wise), static and dynamic (capped)
+    scales: the composite reference of tests/test_quantized.py applied to the functional op's output, bit for bit,
+    with the CPU kernels' arithmetic (quant_math.h); no host sync, and captured in a CUDA graph the same bits."""
+    from test_quantized import _same_bits as same_codes
+    from test_quantized import reference_quant
+
+    gen = torch.Generator(device=CUDA).manual_seed(n + 2)
+    m = 33 if n < 65536 else 4
+    x, r = _cuda_randn(gen, m, n, dtype=BF16, shift=0.3), _cuda_randn(gen, m, n, dtype=BF16)
+    w, b = _cuda_randn(gen, n, dtype=BF16, scale=0.5, shift=1.0), _cuda_randn(gen, n, dtype=BF16, scale=0.2)
+    want, want_h = L.add_rms_norm(x, r, n, w) if rms else L.add_layer_norm(x, r, n, w, b)
+    absmax = want.float().abs().max()
+    qmax = 448.0 if quant_dtype == torch.float8_e4m3fn else 127.0
+
+    def run(scale: Tensor | None, scale_ub: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        if rms:
+            return L.add_rms_norm_quant(x, r, n, w, quant_dtype=quant_dtype, scale=scale, scale_ub=scale_ub)
+        return L.add_layer_norm_quant(x, r, n, w, b, quant_dtype=quant_dtype, scale=scale, scale_ub=scale_ub)
+
+    for scale, scale_ub in ((None, None), (None, (absmax * 0.7).reshape(1)), ((absmax / qmax * 0.8).reshape(1), None)):
+        codes, scales, h = run(scale, scale_ub)
+        want_codes, want_scales = reference_quant(want, 1, quant_dtype, scale, scale_ub)
+        same_codes(codes, want_codes, "codes")
+        same_codes(scales if scale is None else scale, want_scales, "scales")
+        _same_bits(h, want_h, "residual_out")
+    run(None, None)  # outside the check: lazy init may sync
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = run(None, None)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    graph, captured = _capture(lambda: list(run(None, None)))
+    graph.replay()
+    for got, expected, what in zip(captured, eager, ("codes", "scales", "residual_out"), strict=True):
+        same_codes(got, expected, f"graph replay: {what}")
+
+
 # ---- no host synchronization ------------------------------------------------------------------------------
 
 

@@ -308,3 +308,43 @@ def test_emulated_inference_ops(emulated: ModuleType, rms: bool, dtype: torch.dt
     for got, expected, what in ((out, want, "out"), (out_r, want_r, "out with residual"), (h, want_h, "residual_out"),
                                 (xi, want_r, "in place: input"), (ri, want_h, "in place: residual")):  # fmt: skip
         assert torch.equal(got, expected), what
+
+
+# ---- quantized output ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [7, 769, 4096, 20000, 40000])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_emulated_quantized_output(emulated: ModuleType, rms: bool, dtype: torch.dtype, n: int) -> None:
+    """float8_e4m3fn / int8 codes, static and dynamic (capped) scales, on every thread mapping (the dynamic scale's
+    absmax all-reduced over sub-warps, warps and blocks; the long paths' extra pass from the stage or memory):
+    the composite of the emulated forward's own output, bit for bit (tests/test_quantized.py's reference)."""
+    from test_quantized import _same_bits, reference_quant
+
+    gen = torch.Generator().manual_seed(n + 1)
+    m = _rows(n)
+    x = (torch.randn(m, n, generator=gen) * 2 + 0.3).to(dtype)
+    r = torch.randn(m, n, generator=gen).to(dtype)
+    w = (torch.randn(n, generator=gen) * 0.5 + 1).to(dtype)
+    b = (torch.randn(n, generator=gen) * 0.2).to(dtype)
+    x[0, n // 2] = float("nan")  # a NaN row: NaN scale (and codes) whatever thread holds it
+    if rms:
+        y, h, _ = emulated.rms_norm_fwd(x, [n], w, 1e-6, r, False)
+    else:
+        y, h, _, _ = emulated.layer_norm_fwd(x, [n], w, b, 1e-5, r, False)
+    absmax = y[1:].float().abs().max().item()
+    for quant_dtype, qmax in ((torch.float8_e4m3fn, 448.0), (torch.int8, 127.0)):
+        for scale, scale_ub in ((None, None), (None, torch.tensor([absmax * 0.7])),
+                                (torch.tensor([absmax / qmax * 0.8]), None)):  # fmt: skip
+            if rms:
+                codes, scales, got_h = emulated.rms_norm_quant(x, [n], w, 1e-6, quant_dtype, scale, scale_ub, r)
+            else:
+                codes, scales, got_h = emulated.layer_norm_quant(x, [n], w, b, 1e-5, quant_dtype, scale, scale_ub, r)
+            want_codes, want_scales = reference_quant(y, 1, quant_dtype, scale, scale_ub)
+            what = f"{quant_dtype} scale={scale is not None} ub={scale_ub is not None}"
+            _same_bits(codes, want_codes, f"codes, {what}")
+            if scale is None:
+                _same_bits(scales, want_scales, f"scales, {what}")
+                assert torch.isnan(scales[0]).all(), what
+            _same_bits(got_h, h, f"residual_out, {what}")

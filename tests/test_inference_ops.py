@@ -195,8 +195,8 @@ def test_overlapping_buffers_are_refused() -> None:
 
 def test_requires_grad_is_refused_and_no_grad_works() -> None:
     x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8)
-    with pytest.raises(RuntimeError, match=r"rms_norm_into: the inference ops \(out=, in place\) don't support "
-                                           r"automatic differentiation, but input requires grad"):  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"rms_norm_into: the inference ops \(out=, in place, quantized output\) "
+                                           r"don't support automatic differentiation, but input requires grad"):
         L.rms_norm(x, 8, w, out=torch.empty(4, 8))
     out = torch.empty(4, 8)
     with torch.no_grad():

@@ -1,0 +1,390 @@
+"""Quantized output (layernorm_ext.quantized; ops layer_norm_quant / rms_norm_quant).
+
+Held to a composite PyTorch reference (norm, scale, clamp, round / cast) in two ways:
+- applied to our own unquantized output, the codes and the scales must be the same bits (the quantized ops run
+  the same kernels, then the arithmetic of csrc/quant_math.h, which the reference spells out in torch ops);
+- applied to ATen's output, the codes may differ only where the two norms' outputs round differently: by at
+  most one code step, at a small share of the elements.
+The encoders are checked exhaustively against torch's own float -> float8_e4m3fn cast and round(): a row of
+ones with eps=0 normalizes to exactly 1, so the weight's values are what gets encoded. Plus the special rows
+(zeros, NaN, infinities, saturation, the scale_ub cap), empty shapes, bad arguments (eager and fake alike),
+opcheck and torch.compile(fullgraph=True).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import layernorm_ext as L
+
+pytestmark = pytest.mark.usefixtures("cpu_isa")
+
+F32, F64, F16, BF16 = torch.float32, torch.float64, torch.float16, torch.bfloat16
+FP8, I8 = torch.float8_e4m3fn, torch.int8
+_ops = torch.ops.layernorm_ext
+_SHORT = {F32: "f32", F64: "f64", F16: "f16", BF16: "bf16", FP8: "fp8", I8: "i8"}
+FNS = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")
+DTYPES = ((F32, F32), (F64, F64), (F16, F16), (BF16, BF16), (BF16, F32))
+COLS = (1, 7, 769, 5125)
+MODES = ("static", "dynamic", "dynamic_ub")
+QMAX = {FP8: 448.0, I8: 127.0}
+MIN_SCALE = {FP8: 1.0 / (448.0 * 512.0), I8: float(torch.finfo(torch.float32).eps)}
+
+
+# ---- the composite reference -----------------------------------------------------------------------------------
+def reference_quant(
+    y: Tensor, norm_dims: int, quant_dtype: torch.dtype, scale: Tensor | None, scale_ub: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """codes and scale of y (the norm's output, any dtype) in torch ops: quant_math.h's arithmetic."""
+    yf = y.float()
+    if scale is None:
+        absmax = yf.abs().amax(dim=tuple(range(-norm_dims, 0)), keepdim=True)
+        if scale_ub is not None:
+            absmax = torch.where(absmax > scale_ub, scale_ub, absmax)  # NaN stays NaN
+        s = absmax / QMAX[quant_dtype]
+        floor = torch.tensor(MIN_SCALE[quant_dtype], dtype=F32, device=y.device)
+        scale = torch.where(s < floor, floor, s)
+    v = yf * torch.reciprocal(scale)
+    if quant_dtype == FP8:
+        codes = v.clamp(-448.0, 448.0).to(FP8)
+    else:
+        codes = torch.where(v.isnan(), 0.0, v).clamp(-128.0, 127.0).round().to(I8)
+    return codes, scale
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _is_nan(t: Tensor) -> Tensor:
+    if t.dtype == FP8:
+        return (t.view(torch.uint8) & 0x7F) == 0x7F
+    return t.isnan() if t.is_floating_point() else torch.zeros_like(t, dtype=torch.bool)
+
+
+def _same_bits(got: Tensor, want: Tensor, what: str) -> None:
+    """Bit for bit, except that a NaN equals any NaN (its sign and payload depend on operand order)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype, got.shape, want.shape)
+    got_nan, want_nan = _is_nan(got), _is_nan(want)
+    assert torch.equal(got_nan, want_nan), f"{what}: NaN where the composite reference has none, or the reverse"
+    ints = _INT_OF_SIZE[got.element_size()]
+    same = torch.equal(got.view(ints)[~got_nan], want.view(ints)[~want_nan])
+    assert same, f"{what}: not the composite reference's bits"
+
+
+# ---- calls -----------------------------------------------------------------------------------------------------
+def _args(fn: str, dtype: torch.dtype, wdtype: torch.dtype, cols: int, rows: int = 5) -> dict[str, Tensor | None]:
+    gen = torch.Generator().manual_seed(cols * 7 + len(fn))
+    x = (torch.randn(rows, cols, generator=gen) * 2 + 0.3).to(dtype)
+    r = torch.randn(rows, cols, generator=gen).to(dtype) if fn.startswith("add_") else None
+    w = (torch.randn(cols, generator=gen) * 0.5 + 1).to(wdtype)
+    b = (torch.randn(cols, generator=gen) * 0.2).to(wdtype) if "layer" in fn else None
+    return {"x": x, "r": r, "w": w, "b": b}
+
+
+def _unquantized(fn: str, a: dict[str, Tensor | None], **kw: object) -> tuple[Tensor, Tensor | None]:
+    x, r, w, b, n = a["x"], a["r"], a["w"], a["b"], a["x"].shape[-1]
+    if fn == "layer_norm":
+        return L.layer_norm(x, n, w, b, **kw), None
+    if fn == "rms_norm":
+        return L.rms_norm(x, n, w, **kw), None
+    if fn == "add_layer_norm":
+        return L.add_layer_norm(x, r, n, w, b, **kw)
+    return L.add_rms_norm(x, r, n, w, **kw)
+
+
+def _quantized(fn: str, a: dict[str, Tensor | None], **kw: object) -> tuple[Tensor, Tensor, Tensor | None]:
+    x, r, w, b, n = a["x"], a["r"], a["w"], a["b"], a["x"].shape[-1]
+    if fn == "layer_norm":
+        return (*L.layer_norm_quant(x, n, w, b, **kw), None)
+    if fn == "rms_norm":
+        return (*L.rms_norm_quant(x, n, w, **kw), None)
+    if fn == "add_layer_norm":
+        return L.add_layer_norm_quant(x, r, n, w, b, **kw)
+    return L.add_rms_norm_quant(x, r, n, w, **kw)
+
+
+def _scales(mode: str, quant_dtype: torch.dtype, y: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """(scale, scale_ub) for a mode: a static scale that saturates the largest values, or a cap below most
+    rows' absmax (so that it acts)."""
+    absmax = y.float().abs().amax().item() if y.numel() else 1.0
+    if mode == "static":
+        return torch.tensor([absmax / QMAX[quant_dtype] * 0.8]), None
+    if mode == "dynamic_ub":
+        return None, torch.tensor([absmax * 0.7])
+    return None, None
+
+
+def _cases() -> list:
+    return [
+        pytest.param(fn, dtype, wdtype, cols, q, id=f"{fn}-{_SHORT[dtype]}w{_SHORT[wdtype]}-n{cols}-{_SHORT[q]}")
+        for fn in FNS for dtype, wdtype in DTYPES for cols in COLS for q in (FP8, I8)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("fn", "dtype", "wdtype", "cols", "quant_dtype"), _cases())
+def test_codes_are_the_composite_of_our_output(
+    fn: str, dtype: torch.dtype, wdtype: torch.dtype, cols: int, quant_dtype: torch.dtype, mode: str
+) -> None:
+    a = _args(fn, dtype, wdtype, cols)
+    y, h = _unquantized(fn, a)
+    scale, scale_ub = _scales(mode, quant_dtype, y)
+    codes, got_scale, got_h = _quantized(fn, a, quant_dtype=quant_dtype, scale=scale, scale_ub=scale_ub)
+    want_codes, want_scale = reference_quant(y, 1, quant_dtype, scale, scale_ub)
+    _same_bits(codes, want_codes, "codes")
+    if scale is not None:
+        assert got_scale is scale
+    else:
+        assert got_scale.shape == (a["x"].shape[0], 1)
+        _same_bits(got_scale, want_scale, "scale")
+    if h is not None:
+        assert got_h is not None
+        _same_bits(got_h, h, "residual_out")
+
+
+@pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
+@pytest.mark.parametrize(("fn", "kw"), [
+    ("rms_norm", {"weight_offset": 1.0}),
+    ("rms_norm", {"cast_before_weight": True}),
+    ("add_layer_norm", {"weight_offset": 0.5, "cast_before_weight": True}),
+    ("add_rms_norm", {"residual_in_fp32": True}),
+], ids=["gemma", "llama", "ln-both", "residual-fp32"])  # fmt: skip
+def test_numerics_options(fn: str, kw: dict[str, object], quant_dtype: torch.dtype) -> None:
+    a = _args(fn, BF16, BF16, 769)
+    y, h = _unquantized(fn, a, **kw)
+    codes, scale, got_h = _quantized(fn, a, quant_dtype=quant_dtype, **kw)
+    want_codes, want_scale = reference_quant(y, 1, quant_dtype, None, None)
+    _same_bits(codes, want_codes, "codes")
+    _same_bits(scale, want_scale, "scale")
+    if h is not None:
+        assert got_h is not None and got_h.dtype == h.dtype
+        _same_bits(got_h, h, "residual_out")
+
+
+# ---- against ATen ----------------------------------------------------------------------------------------------
+def _code_steps(got: Tensor, want: Tensor) -> Tensor:
+    """How many representable values apart two code tensors are (NaN codes equal only NaN codes)."""
+    if got.dtype == I8:
+        return (got.int() - want.int()).abs()
+    # float8_e4m3fn bits are sign-magnitude, ordered by magnitude: map them onto a line.
+    def line(t: Tensor) -> Tensor:
+        b = t.view(torch.uint8).int()
+        return torch.where(b >= 128, -(b - 128), b)
+
+    return (line(got) - line(want)).abs()
+
+
+@pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize(("rms", "shape", "norm_dims"), [
+    (False, (64, 769), 1), (True, (64, 769), 1), (False, (3, 5, 64), 2), (True, (3, 5, 64), 2),
+    (False, (2, 65536), 1), (True, (2, 65536), 1), (True, (33, 5125), 1),
+], ids=["ln", "rms", "ln-2d", "rms-2d", "ln-long", "rms-long", "rms-5125"])  # fmt: skip
+def test_codes_against_aten_composite(
+    rms: bool, shape: tuple[int, ...], norm_dims: int, dtype: torch.dtype, quant_dtype: torch.dtype
+) -> None:
+    """ATen's norm, then the composite: codes within one step, at a few elements only; equal dynamic scales up to
+    the norms' own rounding differences (an ulp of the input dtype; a few for float32)."""
+    gen = torch.Generator().manual_seed(sum(shape) + norm_dims)
+    x = (torch.randn(shape, generator=gen) * 3 + 1).to(dtype)
+    ns = shape[-norm_dims:]
+    w = (torch.randn(ns, generator=gen) * 0.5 + 1).to(dtype)
+    b = None if rms else (torch.randn(ns, generator=gen) * 0.1).to(dtype)
+    if rms:
+        aten = torch.nn.functional.rms_norm(x, ns, w, 1e-6)
+        codes, scale = L.rms_norm_quant(x, ns, w, 1e-6, quant_dtype=quant_dtype)
+    else:
+        aten = torch.nn.functional.layer_norm(x, ns, w, b, 1e-5)
+        codes, scale = L.layer_norm_quant(x, ns, w, b, 1e-5, quant_dtype=quant_dtype)
+    want_codes, want_scale = reference_quant(aten, norm_dims, quant_dtype, None, None)
+    assert scale.shape == want_scale.shape == (*shape[:-norm_dims], *([1] * norm_dims))
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(scale, want_scale, rtol=(8 if dtype == F32 else 2) * ulp, atol=0)
+    steps = _code_steps(codes, want_codes)
+    assert steps.max().item() <= 1, "a code more than one step from the composite's"
+    share = (steps > 0).float().mean().item()
+    assert share <= (0.02 if dtype == F32 else 0.05), f"{share:.2%} of the codes differ from the composite's"
+
+
+# ---- the encoders, exhaustively ------------------------------------------------------------------------------
+def _encode_through_the_op(values: Tensor, quant_dtype: torch.dtype) -> Tensor:
+    """The op's codes of exactly these float32 values: a row of ones, eps=0, RMSNorm without statistics error
+    (x * rstd = 1 * 1), weight = values, static scale 1."""
+    n = values.numel()
+    codes, _ = L.rms_norm_quant(torch.ones(1, n), n, values, 0.0, quant_dtype=quant_dtype, scale=torch.ones(1))
+    return codes[0]
+
+
+def _fp8_probe_values() -> Tensor:
+    finite = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    finite = finite[finite.isfinite()]
+    mags = finite[finite >= 0].unique().sort().values
+    mids = (mags[1:] + mags[:-1]) / 2  # ties: round to even
+    near = torch.cat([mids, mids.nextafter(torch.tensor(math.inf)), mids.nextafter(torch.tensor(-math.inf))])
+    special = torch.tensor([0.0, 2.0**-6, 2.0**-9, 2.0**-10, 2.0**-10 * 1.0001, 2.0**-11, 1e-30, 1e-45, 447.9, 448.0,
+                            448.1, 463.9, 464.0, 464.1, 479.0, 480.0, 500.0, 1e6, 3e38, math.inf])
+    positive = torch.cat([mags, near, special])
+    return torch.cat([positive, -positive, torch.tensor([math.nan, -math.nan])])
+
+
+def test_fp8_encoder_is_torchs_cast_after_clamping() -> None:
+    values = _fp8_probe_values()
+    got = _encode_through_the_op(values, FP8)
+    want = values.clamp(-448.0, 448.0).to(FP8)
+    bad = (got.view(torch.uint8) != want.view(torch.uint8)).nonzero().flatten()
+    assert bad.numel() == 0, [(values[i].item(), got[i].view(torch.uint8).item(), want[i].view(torch.uint8).item())
+                              for i in bad[:8]]
+
+
+def test_int8_encoder_rounds_half_to_even_and_saturates() -> None:
+    steps = torch.arange(-140, 141, dtype=F32)
+    halves = steps + 0.5
+    near = torch.cat([halves.nextafter(torch.tensor(math.inf)), halves.nextafter(torch.tensor(-math.inf))])
+    values = torch.cat([steps, halves, near, torch.tensor([1e9, -1e9, math.inf, -math.inf, math.nan, -0.0, 1e-40])])
+    got = _encode_through_the_op(values, I8)
+    want = torch.where(values.isnan(), 0.0, values).clamp(-128.0, 127.0).round().to(I8)
+    assert torch.equal(got, want)
+    assert got[-3].item() == 0, "NaN encodes as 0"
+
+
+# ---- special rows ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
+def test_special_rows(quant_dtype: torch.dtype) -> None:
+    """Rows of zeros (codes 0, the smallest scale), a NaN (NaN codes and scale, int8 codes 0), an infinity in the
+    input (RMSNorm: NaN there, zeros elsewhere; the row's absmax is NaN), a huge weight (saturation), and the
+    scale_ub cap."""
+    n = 64
+    x = torch.randn(5, n)
+    x[0] = 0.0
+    x[1, 3] = math.nan
+    x[2, 5] = math.inf
+    w = torch.ones(n)
+    codes, scale = L.rms_norm_quant(x, n, w, quant_dtype=quant_dtype)
+    y = L.rms_norm(x, n, w)
+    want_codes, want_scale = reference_quant(y, 1, quant_dtype, None, None)
+    _same_bits(codes, want_codes, "codes")
+    _same_bits(scale, want_scale, "scale")
+    assert scale[0].item() == pytest.approx(MIN_SCALE[quant_dtype], rel=1e-7)
+    assert (codes[0].float() == 0).all()
+    assert math.isnan(scale[1].item()) and math.isnan(scale[2].item())
+    if quant_dtype == FP8:
+        assert codes[1].float().isnan().all()
+    else:
+        assert (codes[1] == 0).all()
+
+    # Static scale far too small: every code saturates, with the value's sign.
+    codes, _ = L.rms_norm_quant(x[3:], n, w, quant_dtype=quant_dtype, scale=torch.tensor([1e-6]))
+    big = x[3:].abs() > 1e-3
+    top = 448.0 if quant_dtype == FP8 else 127.0
+    bottom = -448.0 if quant_dtype == FP8 else -128.0
+    assert (codes.float()[big & (x[3:] > 0)] == top).all() and (codes.float()[big & (x[3:] < 0)] == bottom).all()
+
+    # scale_ub below the absmax: scale = ub / qmax, and the largest values saturate.
+    ub = torch.tensor([0.5])
+    codes, scale = L.rms_norm_quant(x[3:], n, w, quant_dtype=quant_dtype, scale_ub=ub)
+    assert torch.equal(scale, torch.full((2, 1), 0.5 / QMAX[quant_dtype]))
+    _same_bits(codes, reference_quant(y[3:], 1, quant_dtype, None, ub)[0], "capped codes")
+
+
+@pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
+@pytest.mark.parametrize("shape", [(0, 16), (4, 0), (2, 0, 3)], ids=["no-rows", "empty-rows", "empty-2d"])
+def test_empty_shapes(shape: tuple[int, ...], quant_dtype: torch.dtype) -> None:
+    x = torch.randn(shape)
+    ns = shape[-1:] if len(shape) == 2 else shape[-2:]
+    codes, scale = L.layer_norm_quant(x, ns, quant_dtype=quant_dtype)
+    assert codes.shape == x.shape and codes.dtype == quant_dtype
+    rows = shape[0] if len(shape) == 2 else shape[0]
+    assert scale.shape == (rows, *([1] * len(ns)))
+    assert (scale == MIN_SCALE[quant_dtype]).all(), "rows of no elements: absmax 0, the smallest scale"
+
+
+# ---- bad arguments ---------------------------------------------------------------------------------------------
+def _bad_calls() -> list:
+    x, w = torch.randn(3, 8), torch.randn(8)
+    return [
+        pytest.param(lambda: L.rms_norm_quant(x, 8, w, quant_dtype=torch.float16),
+                     "expected quant_dtype to be torch.float8_e4m3fn or torch.int8, but got Half", id="dtype"),
+        pytest.param(lambda: L.rms_norm_quant(x, 8, w, quant_dtype=torch.float8_e5m2),
+                     "but got Float8_e5m2", id="e5m2"),
+        pytest.param(lambda: L.rms_norm_quant(x, 8, w, scale=torch.ones(2)),
+                     "expected scale to be a float32 tensor of one element, but got scale of dtype Float and shape "
+                     r"\[2\]", id="scale-shape"),
+        pytest.param(lambda: L.layer_norm_quant(x, 8, w, scale=torch.ones(1, dtype=F64)),
+                     "expected scale to be a float32 tensor of one element, but got scale of dtype Double",
+                     id="scale-dtype"),
+        pytest.param(lambda: L.rms_norm_quant(x, 8, w, scale=torch.ones(1), scale_ub=torch.ones(1)),
+                     "scale_ub caps the dynamic per-row scale, so it cannot be given with a static scale",
+                     id="scale-and-ub"),
+        pytest.param(lambda: L.rms_norm_quant(x, 8, w, scale_ub=torch.ones(1, 1, dtype=F16)),
+                     "expected scale_ub to be a float32 tensor of one element", id="ub-dtype"),
+        pytest.param(lambda: L.rms_norm_quant(x, 7, w), r"given normalized_shape=\[7\]", id="shape"),
+        pytest.param(lambda: L.add_rms_norm_quant(x, torch.randn(3, 7), 8, w),
+                     "expected residual to have the same shape as input", id="residual"),
+    ]
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
+@pytest.mark.parametrize(("call", "match"), _bad_calls())
+def test_bad_arguments_are_refused(call, match: str, fake: bool) -> None:
+    if fake:
+        with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(RuntimeError, match=match):
+            call()
+    else:
+        with pytest.raises(RuntimeError, match=match):
+            call()
+
+
+def test_requires_grad_is_refused_and_no_grad_works() -> None:
+    x, w = torch.randn(3, 8), torch.randn(8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="rms_norm_quant: the inference ops .* don't support automatic "
+                                           "differentiation, but weight requires grad"):
+        L.rms_norm_quant(x, 8, w)
+    with torch.no_grad():
+        codes, scale = L.rms_norm_quant(x, 8, w)
+    with torch.inference_mode():
+        codes_inf, scale_inf = L.rms_norm_quant(x, 8, w.detach())
+    assert torch.equal(codes.view(torch.uint8), codes_inf.view(torch.uint8)) and torch.equal(scale, scale_inf)
+
+
+# ---- opcheck and compile ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["ln-static", "ln-dynamic-residual", "rms-dynamic-ub", "rms-int8-residual"])
+def test_opcheck(case: str) -> None:
+    gen = torch.Generator().manual_seed(11)
+    x, r = torch.randn(3, 40, generator=gen).bfloat16(), torch.randn(3, 40, generator=gen).bfloat16()
+    w, b = torch.randn(40, generator=gen).bfloat16(), torch.randn(40, generator=gen).bfloat16()
+    op, args = {
+        "ln-static": (_ops.layer_norm_quant, (x, [40], w, b, 1e-5, FP8, torch.tensor([0.02]))),
+        "ln-dynamic-residual": (_ops.layer_norm_quant, (x, [40], w, b, 1e-5, FP8, None, None, r, True, 0.5, True)),
+        "rms-dynamic-ub": (_ops.rms_norm_quant, (x, [40], w, None, FP8, None, torch.tensor([2.0]))),
+        "rms-int8-residual": (_ops.rms_norm_quant, (x, [40], w, 1e-6, I8, None, None, r, False, 1.0, False)),
+    }[case]
+    torch.library.opcheck(op.default, args)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fp8_decode_step_compiles_fullgraph(backend: str) -> None:
+    """An fp8 serving step: the fused add + RMSNorm quantized with a static scale for the next projection, and a
+    dynamic per-token int8 LayerNorm; compiled with fullgraph, the same bits as eager."""
+    torch.manual_seed(12)
+    w1, w2 = torch.randn(64).bfloat16(), torch.randn(64).bfloat16()
+    scale = torch.tensor([0.05])
+
+    def step(x: Tensor, residual: Tensor) -> tuple[Tensor, ...]:
+        q, _, h = L.add_rms_norm_quant(x, residual, 64, w1, 1e-6, scale=scale)
+        deq = q.float() * scale
+        q8, s8 = L.layer_norm_quant(deq.bfloat16(), 64, w2, None, quant_dtype=I8)
+        return q.view(torch.uint8), h, q8, s8
+
+    x, r = torch.randn(4, 64).bfloat16(), torch.randn(4, 64).bfloat16()
+    eager = step(x, r)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    got = compiled(x, r)
+    torch._dynamo.reset()
+    for g, e, name in zip(got, eager, ("codes", "h", "int8 codes", "int8 scales"), strict=True):
+        assert torch.equal(g, e), name
