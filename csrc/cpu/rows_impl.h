@@ -518,47 +518,90 @@ inline void normalize(bool rms, const S* src, Y* out, const C* weight, const C* 
   }
 }
 
-// The quantized output of one normalized row y (out's dtype Y; quant_math.h has the arithmetic): the row's
-// scale (static, or from its absmax, stored), then the codes. Vectors of floats convert y; the codes are
-// written lane by lane.
-template <class Y, class Code, Code (*kEncode)(float)>
+// ---- quantized output (quant_math.h has the arithmetic; these are its lane-wise twins) ----------------------
+using FloatVec = Vec<float>;
+using BitsVec = typename U32N<kFloatLanes>::type;
+typedef uint8_t CodeVec __attribute__((vector_size(kFloatLanes)));
+typedef int32_t IntVec __attribute__((vector_size(kFloatLanes * 4)));
+
+inline BitsVec bits_of(FloatVec v) { return (BitsVec)v; }  // a vector cast keeps the bits
+inline FloatVec floats_of(BitsVec v) { return (FloatVec)v; }
+
+// quant::to_e4m3fn on every lane.
+inline CodeVec encode_e4m3fn(FloatVec v) {
+  const FloatVec top = broadcast<float>(quant::kFp8Max), bottom = broadcast<float>(-quant::kFp8Max);
+  v = v > top ? top : v;  // NaN lanes compare false both times and pass
+  v = v < bottom ? bottom : v;
+  const BitsVec x = bits_of(v);
+  const BitsVec sign = (x >> 24) & 0x80u;
+  const BitsVec ax = x & 0x7fffffffu;
+  const BitsVec normal = ((ax + 0x7ffffu + ((ax >> 20) & 1u)) >> 20) - (120u << 3);
+  const BitsVec subnormal = bits_of(floats_of(ax) * 512.0f + 8388608.0f) - 0x4b000000u;
+  BitsVec magnitude = ax >= 0x3c800000u ? normal : subnormal;
+  magnitude = ax > 0x7f800000u ? BitsVec{} + 0x7fu : magnitude;
+  return __builtin_convertvector(sign | magnitude, CodeVec);
+}
+
+// quant::to_int8 on every lane (as bytes).
+inline CodeVec encode_int8(FloatVec v) {
+  v = v != v ? FloatVec{} : v;
+  const FloatVec top = broadcast<float>(quant::kInt8Max), bottom = broadcast<float>(-128.0f);
+  v = v > top ? top : v;
+  v = v < bottom ? bottom : v;
+  const FloatVec rounded = (v + 12582912.0f) - 12582912.0f;
+  return __builtin_convertvector(__builtin_convertvector(rounded, IntVec), CodeVec);
+}
+
+// The quantized output of one normalized row y (out's dtype Y): the row's scale (static, or from its absmax,
+// stored), then the codes, a vector of floats at a time (the tail padded with zeros, which change no absmax).
+template <class Y, CodeVec (*kEncode)(FloatVec)>
 inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64_t n) {
   constexpr int64_t L = kFloatLanes;
-  float lanes[L];
-  auto load_floats_at = [&](int64_t j, int64_t count) {  // y[j, j + count) into lanes
+  auto floats_at = [&](int64_t j, int64_t count) -> FloatVec {  // y[j, j + count) as floats
     if constexpr (std::is_same_v<Y, double>) {
+      float lanes[L] = {};
       for (int64_t i = 0; i < count; ++i) lanes[i] = static_cast<float>(y[j + i]);
+      FloatVec v;
+      std::memcpy(&v, lanes, sizeof(v));
+      return v;
     } else {
-      const Vec<float> v = count == L ? load<float>(y + j) : load_part<float>(y + j, count);
-      std::memcpy(lanes, &v, sizeof(v));
+      return count == L ? load<float>(y + j) : load_part<float>(y + j, count);
     }
   };
   float inv_scale;
   if (a.scale != nullptr) {
     inv_scale = 1.0f / *a.scale;
   } else {
-    float absmax = 0.0f;
+    FloatVec absmax{};
     for (int64_t j = 0; j < n; j += L) {
-      const int64_t count = min64(L, n - j);
-      load_floats_at(j, count);
-      for (int64_t i = 0; i < count; ++i) absmax = quant::nan_max(absmax, __builtin_fabsf(lanes[i]));
+      const FloatVec v = floats_of(bits_of(floats_at(j, min64(L, n - j))) & 0x7fffffffu);
+      absmax = (v > absmax) | (v != v) ? v : absmax;  // NaN wins, as quant::nan_max
     }
-    const float scale = quant::dynamic_scale(absmax, a.scale_ub, a.quant_int8);
+    float lanes[L];
+    std::memcpy(lanes, &absmax, sizeof(lanes));
+    float m = 0.0f;
+    for (int64_t i = 0; i < L; ++i) m = quant::nan_max(m, lanes[i]);
+    const float scale = quant::dynamic_scale(m, a.scale_ub, a.quant_int8);
     a.row_scales[row] = scale;
     inv_scale = 1.0f / scale;
   }
-  Code* codes = static_cast<Code*>(a.codes) + row * n;
-  for (int64_t j = 0; j < n; j += L) {
-    const int64_t count = min64(L, n - j);
-    load_floats_at(j, count);
-    for (int64_t i = 0; i < count; ++i) codes[j + i] = kEncode(lanes[i] * inv_scale);
+  uint8_t* codes = static_cast<uint8_t*>(a.codes) + row * n;
+  const FloatVec inv = broadcast<float>(inv_scale);
+  int64_t j = 0;
+  for (; j + L <= n; j += L) {
+    const CodeVec c = kEncode(floats_at(j, L) * inv);
+    std::memcpy(codes + j, &c, L);
+  }
+  if (j < n) {
+    const CodeVec c = kEncode(floats_at(j, n - j) * inv);
+    std::memcpy(codes + j, &c, static_cast<size_t>(n - j));
   }
 }
 
 template <class Y>
 inline void quantize_row(const ForwardRows& a, int64_t row, const Y* y, int64_t n) {
-  if (a.quant_int8) return quantize_row_as<Y, int8_t, &quant::to_int8>(a, row, y, n);
-  quantize_row_as<Y, uint8_t, &quant::to_e4m3fn>(a, row, y, n);
+  if (a.quant_int8) return quantize_row_as<Y, &encode_int8>(a, row, y, n);
+  quantize_row_as<Y, &encode_e4m3fn>(a, row, y, n);
 }
 
 template <class S, class Y>
