@@ -49,6 +49,21 @@ void check_quant_args(const char* op, const Tensor& input, ScalarType quant_dtyp
 void check_no_overlap(const char* op, const char* name, const Tensor& dest, const char* other_name,
                       const Tensor& other);
 
+// ---- statistics nobody reads (norm_ops.cpp) ----
+// While one is alive on a thread, the forward ops called there store no statistics: mean and rstd come back
+// undefined (never to Python: only the functional ops set it, and they drop them). The functional ops (which return the output only) hold one around their forward op when no
+// autograd graph is recorded and every tensor is a plain one (norm_autograd.cpp).
+class StatisticsUnread {
+ public:
+  StatisticsUnread();
+  ~StatisticsUnread();
+  StatisticsUnread(const StatisticsUnread&) = delete;
+  StatisticsUnread& operator=(const StatisticsUnread&) = delete;
+
+ private:
+  bool previous_;
+};
+
 // ---- device-independent op bodies (norm_ops.cpp); each device passes its launcher ----
 // A launcher runs a device's kernels on a filled parameter block; the op bodies call it after every argument
 // check, so nothing device-specific (a device guard, a stream) runs before a bad argument is reported.

@@ -418,15 +418,29 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_autograd(const Tensor& grad_out, const T
 
 // ---- the functional API: the forward ops, less the statistics ------------------------------------------------
 
+// Whether a functional op's forward may store no statistics: no graph is recorded (so no backward reads them;
+// the op returns the output only), and every tensor is a plain one (values_unreadable: a subclass, DTensor,
+// torch.compile's fake and functional tensors or a Python mode get the forward op's outputs as they expect them).
+bool statistics_go_unread(const Tensor& input, const OptTensor& weight, const OptTensor& bias,
+                          const OptTensor& residual) {
+  if (records_graph(input, weight, bias, residual)) return false;
+  auto plain = [](const OptTensor& t) { return !t.has_value() || !values_unreadable(*t); };
+  return plain(input) && plain(weight) && plain(bias) && plain(residual);
+}
+
 Tensor layer_norm(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                   const OptTensor& bias, double eps, bool memory_efficient, double weight_offset,
                   bool cast_before_weight) {
+  std::optional<StatisticsUnread> unread;
+  if (statistics_go_unread(input, weight, bias, std::nullopt)) unread.emplace();
   return std::get<0>(layer_norm_fwd_op().call(input, normalized_shape, weight, bias, eps, std::nullopt, false,
                                               memory_efficient, weight_offset, cast_before_weight));
 }
 
 Tensor rms_norm(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                 std::optional<double> eps, bool memory_efficient, double weight_offset, bool cast_before_weight) {
+  std::optional<StatisticsUnread> unread;
+  if (statistics_go_unread(input, weight, std::nullopt, std::nullopt)) unread.emplace();
   return std::get<0>(rms_norm_fwd_op().call(input, normalized_shape, weight, eps, std::nullopt, false,
                                             memory_efficient, weight_offset, cast_before_weight));
 }
@@ -435,6 +449,8 @@ std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& input, const Tensor& res
                                           c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                                           const OptTensor& bias, double eps, bool residual_in_fp32,
                                           bool memory_efficient, double weight_offset, bool cast_before_weight) {
+  std::optional<StatisticsUnread> unread;
+  if (statistics_go_unread(input, weight, bias, residual)) unread.emplace();
   const auto r = layer_norm_fwd_op().call(input, normalized_shape, weight, bias, eps, residual, residual_in_fp32,
                                           memory_efficient, weight_offset, cast_before_weight);
   return {std::get<0>(r), std::get<1>(r)};
@@ -444,6 +460,8 @@ std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& input, const Tensor& resid
                                         c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                                         std::optional<double> eps, bool residual_in_fp32, bool memory_efficient,
                                         double weight_offset, bool cast_before_weight) {
+  std::optional<StatisticsUnread> unread;
+  if (statistics_go_unread(input, weight, std::nullopt, residual)) unread.emplace();
   const auto r = rms_norm_fwd_op().call(input, normalized_shape, weight, eps, residual, residual_in_fp32,
                                         memory_efficient, weight_offset, cast_before_weight);
   return {std::get<0>(r), std::get<1>(r)};

@@ -25,6 +25,8 @@ double default_rms_eps(ScalarType acc_type) {
                                         : static_cast<double>(std::numeric_limits<float>::epsilon());
 }
 
+thread_local bool statistics_unread = false;
+
 struct ForwardResult {
   Tensor out, residual_out, mean, rstd;
   Tensor scales;  // the quantized ops' per-row scales (dynamic), else undefined
@@ -103,10 +105,17 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
                              : placeholder(input, ScalarType::Float);
   } else {
     r.out = at::empty(input.sizes(), input.options());
-    r.residual_out = residual.has_value() ? at::empty(input.sizes(), input.options().dtype(h_type))
-                                          : placeholder(input, input.scalar_type());
-    r.rstd = at::empty(g.stat_shape, input.options().dtype(acc));
-    if (!rms) r.mean = at::empty(g.stat_shape, input.options().dtype(acc));
+    if (residual.has_value()) {
+      r.residual_out = at::empty(input.sizes(), input.options().dtype(h_type));
+    } else if (!statistics_unread) {
+      r.residual_out = placeholder(input, input.scalar_type());
+    }
+    // A functional op's forward without autograd (statistics_unread) gets none, not even placeholders (nor one
+    // for a residual_out without a residual): it drops them unseen, and an undefined tensor costs nothing.
+    if (!statistics_unread) {
+      r.rstd = at::empty(g.stat_shape, input.options().dtype(acc));
+      if (!rms) r.mean = at::empty(g.stat_shape, input.options().dtype(acc));
+    }
   }
   if (g.rows == 0) return r;
   if (g.cols == 0) {
@@ -217,6 +226,9 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
 }
 
 }  // namespace
+
+StatisticsUnread::StatisticsUnread() : previous_(statistics_unread) { statistics_unread = true; }
+StatisticsUnread::~StatisticsUnread() { statistics_unread = previous_; }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& input, c10::SymIntArrayRef normalized_shape,
                                                           const OptTensor& weight, const OptTensor& bias,

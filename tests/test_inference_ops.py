@@ -112,8 +112,9 @@ def test_residual_in_fp32_out_and_promoted_residual() -> None:
 
 
 def test_no_statistics_are_stored() -> None:
-    """The functional forward allocates its statistics (rstd, and mean for LayerNorm); the inference ops
-    allocate nothing at all."""
+    """The functional forward allocates its statistics (rstd, and mean for LayerNorm) only where autograd records
+    a graph (a backward will read them); without one it allocates its outputs alone. The inference ops allocate
+    nothing at all."""
     a = _args("add_layer_norm", F32, F32, 512, rows=64)
     out, h = torch.empty_like(a["x"]), torch.empty_like(a["x"])
 
@@ -123,7 +124,15 @@ def test_no_statistics_are_stored() -> None:
         return sum(1 for e in prof.events() if e.name in ("aten::empty", "aten::empty_strided", "aten::empty_like"))
 
     x, r, w, b = a["x"], a["r"], a["w"], a["b"]
-    assert allocations(lambda: L.add_layer_norm(x, r, 512, w, b)) >= 3  # out, residual_out, mean, rstd
+    wg = w.detach().requires_grad_()
+    assert allocations(lambda: L.add_layer_norm(x, r, 512, wg, b)) >= 4  # out, residual_out, mean, rstd
+    assert allocations(lambda: L.add_layer_norm(x, r, 512, w, b)) == 2  # out, residual_out
+    assert allocations(lambda: L.rms_norm(x, 512, wg)) >= 2  # out, rstd
+    with torch.no_grad():
+        assert allocations(lambda: L.rms_norm(x, 512, wg)) == 1
+        assert allocations(lambda: L.layer_norm(x, 512, wg, b)) == 1
+    with torch.inference_mode():
+        assert allocations(lambda: L.add_rms_norm(x, r, 512, w)) == 2
     assert allocations(lambda: L.add_layer_norm(x, r, 512, w, b, out=out, residual_out=h)) == 0
     assert allocations(lambda: L.rms_norm(x, 512, w, out=out)) == 0
     assert allocations(lambda: L.add_rms_norm_(out, h, 512, w)) == 0
