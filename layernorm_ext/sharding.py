@@ -32,7 +32,8 @@ _DTENSOR_MODULE = "torch.distributed.tensor"
 # Index of normalized_shape, the first argument after which every non-tensor argument enters DTensor's cache key.
 _STATIC_ARGNUM = {
     "layer_norm_fwd": 1, "rms_norm_fwd": 1, "layer_norm_bwd": 4, "rms_norm_bwd": 3,
-    "layer_norm": 1, "rms_norm": 1, "add_layer_norm": 2, "add_rms_norm": 2,
+    "layer_norm": 1, "rms_norm": 1, "add_layer_norm": 2, "add_rms_norm": 2, "layer_norm_quant": 1,
+    "rms_norm_quant": 1,
 }  # fmt: skip
 
 
@@ -167,6 +168,39 @@ def _add_rms_norm(
             for place in _placements(input, normalized_shape)]  # fmt: skip
 
 
+# The quantized-output ops (inference only: no autograd, so they always reach DTensor whole). The codes, the
+# dynamic per-row scales (shaped as the rows, with a 1 for each normalized dim) and residual_out keep the rows'
+# placement; a static scale and scale_ub stay replicated, and so does a [0] placeholder output.
+def _layer_norm_quant(
+    input: Any, normalized_shape: Sequence[int], weight: Any, bias: Any, eps: float, quant_dtype: Any,
+    scale: Any = None, scale_ub: Any = None, residual: Any = None, residual_in_fp32: bool = False,
+    weight_offset: float = 0.0, cast_before_weight: bool = False,
+) -> Strategies:
+    from torch.distributed.tensor import Replicate
+
+    return [
+        ([place, place if scale is None else Replicate(), place if residual is not None else Replicate()],
+         [place, None, _given(weight, Replicate()), _given(bias, Replicate()), None, None, _given(scale, Replicate()),
+          _given(scale_ub, Replicate()), _given(residual, place)])
+        for place in _placements(input, normalized_shape)
+    ]  # fmt: skip
+
+
+def _rms_norm_quant(
+    input: Any, normalized_shape: Sequence[int], weight: Any, eps: float | None, quant_dtype: Any,
+    scale: Any = None, scale_ub: Any = None, residual: Any = None, residual_in_fp32: bool = False,
+    weight_offset: float = 0.0, cast_before_weight: bool = False,
+) -> Strategies:
+    from torch.distributed.tensor import Replicate
+
+    return [
+        ([place, place if scale is None else Replicate(), place if residual is not None else Replicate()],
+         [place, None, _given(weight, Replicate()), None, None, _given(scale, Replicate()),
+          _given(scale_ub, Replicate()), _given(residual, place)])
+        for place in _placements(input, normalized_shape)
+    ]  # fmt: skip
+
+
 def register() -> None:
     """Register the strategies of every op with DTensor (torch.distributed.tensor must be importable)."""
     from torch.distributed.tensor import DTensor
@@ -182,6 +216,8 @@ def register() -> None:
         "rms_norm": _rms_norm,
         "add_layer_norm": _add_layer_norm,
         "add_rms_norm": _add_rms_norm,
+        "layer_norm_quant": _layer_norm_quant,
+        "rms_norm_quant": _rms_norm_quant,
     }
     # DTensor caches the chosen strategy per input specs and the arguments from static_argnum on: these must
     # include normalized_shape (SymInt[]), which decides the dims that may stay sharded. register_sharding

@@ -4,7 +4,8 @@ BACKEND RANK WORLD_SIZE STORE_FILE`. Every check is an assert; a failing rank ex
 Scenarios:
 - ops: every function on DTensors (sharded on each leading dim, on a normalized dim, replicated; with and
   without parameters, residual, memory_efficient): placements, collectives and values, forward and backward,
-  the same as ATen's norms on the same DTensors and our own kernels on the whole tensors.
+  the same as ATen's norms on the same DTensors and our own kernels on the whole tensors; the quantized-output
+  functions' placements and bits.
 - fsdp: a small model of our modules under FSDP2 (fully_shard), a few SGD steps on half a batch per rank:
   losses and parameters as one process training on the whole batch; collectives as with torch.nn's norms.
 - sequence_parallel: a transformer MLP block with our norms under SequenceParallel / Colwise / Rowwise plans
@@ -156,6 +157,35 @@ def scenario_ops(mesh: Any, device: str) -> None:
             for i, (g, w) in enumerate(zip(got, want)):
                 assert g.placements == expected, f"inference {name} {placement}: output {i} placed {g.placements}"
                 _close(g.full_tensor(), w, f"inference {name} {placement}: output {i}")
+    # The quantized output (inference ops): codes, dynamic scales and residual_out keep the rows' placement (a
+    # sharded normalized dim is gathered first), with the bits of the whole tensor's codes.
+    full = [torch.randn(shape, generator=gen).to(device).bfloat16() for _ in range(2)]
+    weight = (torch.randn(16, generator=gen) + 1).to(device).bfloat16()
+    for name in ("layer_norm_quant", "rms_norm_quant", "add_layer_norm_quant", "add_rms_norm_quant"):
+        fn = getattr(layernorm_ext, name)
+        for placement in (Shard(0), Shard(1), Shard(2), Replicate()):
+            for kw in ({}, {"quant_dtype": torch.int8, "scale_ub": torch.tensor([2.0], device=device)},
+                       {"scale": torch.tensor([0.01], device=device)}):  # fmt: skip
+                what = f"{name} {placement} {sorted(kw)}"
+                sharded = [distribute_tensor(t, mesh, [placement]) for t in full]
+                dkw = {k: distribute_tensor(v, mesh, [Replicate()]) if isinstance(v, Tensor) else v
+                       for k, v in kw.items()}  # fmt: skip
+                dweight = distribute_tensor(weight, mesh, [Replicate()])
+                inputs = 2 if name.startswith("add_") else 1
+                with torch.inference_mode():
+                    got = fn(*sharded[:inputs], [16], dweight, **dkw)
+                    want = fn(*full[:inputs], [16], weight, **kw)
+                expected = (Replicate(),) if placement == Shard(2) else (placement,)
+                assert got[0].placements == expected, f"{what}: codes placed {got[0].placements}"
+                # Gathered as bytes: gloo has no float8 collectives.
+                codes = DTensor.from_local(got[0].to_local().view(torch.uint8), mesh, got[0].placements)
+                assert torch.equal(codes.full_tensor(), want[0].view(torch.uint8)), what
+                if "scale" not in kw:
+                    assert got[1].placements == expected, f"{what}: scales placed {got[1].placements}"
+                    assert torch.equal(got[1].full_tensor(), want[1]), f"{what}: scales"
+                if inputs == 2:
+                    assert torch.equal(got[2].full_tensor(), want[2]), f"{what}: residual_out"
+                cases += 1
     # The statistics (raw op) keep the rows' placement too.
     x = distribute_tensor(torch.randn(shape, generator=gen).to(device), mesh, [Shard(1)])
     _, _, mean, rstd = torch.ops.layernorm_ext.layer_norm_fwd(x, [16], None, None, 1e-5)

@@ -96,7 +96,8 @@ from torch.distributed.tensor import DTensor
 info = DTensor._op_dispatcher.sharding_propagator.op_to_schema_info
 ops = torch.ops.layernorm_ext
 for name, index in (("layer_norm_fwd", 1), ("rms_norm_fwd", 1), ("layer_norm_bwd", 4), ("rms_norm_bwd", 3),
-                    ("layer_norm", 1), ("rms_norm", 1), ("add_layer_norm", 2), ("add_rms_norm", 2)):
+                    ("layer_norm", 1), ("rms_norm", 1), ("add_layer_norm", 2), ("add_rms_norm", 2),
+                    ("layer_norm_quant", 1), ("rms_norm_quant", 1)):
     op = getattr(ops, name).default
     assert op._schema.arguments[index].name == "normalized_shape", name
     assert info[op].static_argnum == index, (name, info[op].static_argnum)
