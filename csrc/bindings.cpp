@@ -69,6 +69,19 @@ TORCH_LIBRARY(layernorm_ext, m) {
       "rms_norm_quant(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps, ScalarType quant_dtype, "
       "Tensor? scale=None, Tensor? scale_ub=None, Tensor? residual=None, bool residual_in_fp32=False, "
       "float weight_offset=0., bool cast_before_weight=False) -> (Tensor out, Tensor scales, Tensor residual_out)");
+  // The same into the caller's buffers (vLLM's out= convention): out holds the codes (its dtype is the quantized
+  // one), scales the dynamic per-row scales (given exactly when scale is not), residual_out h (with a residual;
+  // it may be residual itself: vLLM's fused add updates the residual in place).
+  m.def(
+      "layer_norm_quant_into(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
+      "Tensor(a!) out, Tensor? scale=None, Tensor(b!)? scales=None, Tensor? scale_ub=None, Tensor? residual=None, "
+      "Tensor(c!)? residual_out=None, bool residual_in_fp32=False, float weight_offset=0., "
+      "bool cast_before_weight=False) -> ()");
+  m.def(
+      "rms_norm_quant_into(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps, Tensor(a!) out, "
+      "Tensor? scale=None, Tensor(b!)? scales=None, Tensor? scale_ub=None, Tensor? residual=None, "
+      "Tensor(c!)? residual_out=None, bool residual_in_fp32=False, float weight_offset=0., "
+      "bool cast_before_weight=False) -> ()");
   // The functional API (layernorm_ext/functional.py): each the forward op above, returning only what the user
   // gets, which spares an eager call the statistics' Python objects (CompositeImplicitAutograd, in
   // norm_autograd.cpp: autograd, fake tensors, DTensor and autocast all act on the forward op).
@@ -158,7 +171,7 @@ void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/)
 TORCH_LIBRARY_IMPL(layernorm_ext, CUDA, m) {
   for (const char* name : {"layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd", "layer_norm_into",
                            "rms_norm_into", "add_layer_norm_", "add_rms_norm_", "layer_norm_quant",
-                           "rms_norm_quant"}) {
+                           "rms_norm_quant", "layer_norm_quant_into", "rms_norm_quant_into"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   }
 }

@@ -94,6 +94,24 @@ struct DeviceOps {
                           weight_offset, cast_before_weight, kForward);
   }
 
+  static void layer_norm_q_into(const Tensor& input, c10::SymIntArrayRef shape, const OptTensor& weight,
+                                const OptTensor& bias, double eps, const Tensor& out, const OptTensor& scale,
+                                const OptTensor& scales, const OptTensor& scale_ub, const OptTensor& residual,
+                                const OptTensor& residual_out, bool residual_in_fp32, double weight_offset,
+                                bool cast_before_weight) {
+    layer_norm_quant_into(input, shape, weight, bias, eps, out, scale, scales, scale_ub, residual, residual_out,
+                          residual_in_fp32, weight_offset, cast_before_weight, kForward);
+  }
+
+  static void rms_norm_q_into(const Tensor& input, c10::SymIntArrayRef shape, const OptTensor& weight,
+                              std::optional<double> eps, const Tensor& out, const OptTensor& scale,
+                              const OptTensor& scales, const OptTensor& scale_ub, const OptTensor& residual,
+                              const OptTensor& residual_out, bool residual_in_fp32, double weight_offset,
+                              bool cast_before_weight) {
+    rms_norm_quant_into(input, shape, weight, eps, out, scale, scales, scale_ub, residual, residual_out,
+                        residual_in_fp32, weight_offset, cast_before_weight, kForward);
+  }
+
   static void register_to(torch::Library& m) {
     m.impl("layer_norm_fwd", &layer_norm);
     m.impl("rms_norm_fwd", &rms_norm);
@@ -105,6 +123,8 @@ struct DeviceOps {
     m.impl("add_rms_norm_", &add_rms_norm_);
     m.impl("layer_norm_quant", &layer_norm_q);
     m.impl("rms_norm_quant", &rms_norm_q);
+    m.impl("layer_norm_quant_into", &layer_norm_q_into);
+    m.impl("rms_norm_quant_into", &rms_norm_q_into);
   }
 };
 

@@ -41,10 +41,17 @@ void check_weight_offset(const char* op, const OptTensor& weight, double weight_
 // A caller's output buffer (out=, residual_out=, or the in-place ops' input / residual): on input's device,
 // input's shape, the given dtype, contiguous.
 void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest, ScalarType dtype);
+void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest, ScalarType dtype,
+                       at::IntArrayRef shape);  // of this shape instead
 // The quantized-output ops: quant_dtype float8_e4m3fn or int8; scale (static) and scale_ub (a cap of the
 // dynamic scale, so never with scale) float32 tensors of one element on input's device.
+// dtype_of_out: quant_dtype is an out= buffer's dtype (the *_quant_into ops), and the error says so.
 void check_quant_args(const char* op, const Tensor& input, ScalarType quant_dtype, const OptTensor& scale,
-                      const OptTensor& scale_ub);
+                      const OptTensor& scale_ub, bool dtype_of_out = false);
+// The quantized ops' scales= buffer (the dynamic per-row scales): given exactly when the scale is dynamic;
+// float32, contiguous, on input's device, of scale_shape.
+void check_scales_buffer(const char* op, const Tensor& input, bool static_scale, const OptTensor& scales,
+                         at::IntArrayRef scale_shape);
 // An out= buffer must not share memory with what the op reads.
 void check_no_overlap(const char* op, const char* name, const Tensor& dest, const char* other_name,
                       const Tensor& other);
@@ -118,6 +125,18 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_quant(const Tensor& input, c10::SymI
                                                   const OptTensor& scale_ub, const OptTensor& residual,
                                                   bool residual_in_fp32, double weight_offset,
                                                   bool cast_before_weight, ForwardLauncher launch);
+// The same into the caller's buffers: out (the codes: its dtype, float8_e4m3fn or int8, is the quantized dtype),
+// scales (dynamic scale only), residual_out (with a residual; it may be residual itself: h in place).
+void layer_norm_quant_into(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                          const OptTensor& bias, double eps, const Tensor& out, const OptTensor& scale,
+                          const OptTensor& scales, const OptTensor& scale_ub, const OptTensor& residual,
+                          const OptTensor& residual_out, bool residual_in_fp32, double weight_offset,
+                          bool cast_before_weight, ForwardLauncher launch);
+void rms_norm_quant_into(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                         std::optional<double> eps, const Tensor& out, const OptTensor& scale, const OptTensor& scales,
+                         const OptTensor& scale_ub, const OptTensor& residual, const OptTensor& residual_out,
+                         bool residual_in_fp32, double weight_offset, bool cast_before_weight,
+                         ForwardLauncher launch);
 std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& grad_out, const Tensor& saved, const Tensor& rstd,
                                         c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                                         bool saved_is_output, const OptTensor& grad_residual_out,

@@ -478,7 +478,7 @@ TORCH_LIBRARY_IMPL(layernorm_ext, CompositeImplicitAutograd, m) {
 
 namespace {
 
-// The inference ops (out=, in place and quantized output, boxed: one body for all six) on the Autograd key: as
+// The inference ops (out=, in place and quantized output, boxed: one body for all eight) on the Autograd key: as
 // ATen's out= ops, they refuse to run on arguments that require grad while grad mode is on (their results would
 // have no graph), then run the kernel and bump the version of every tensor they wrote, which autograd's saved-tensor
 // checks and memory_efficient's cache (saved_output_cache.cpp) rely on.
@@ -516,7 +516,7 @@ TORCH_LIBRARY_IMPL(layernorm_ext, Autograd, m) {
   m.impl("layer_norm_bwd", &layer_norm_bwd_autograd);
   m.impl("rms_norm_bwd", &rms_norm_bwd_autograd);
   for (const char* name : {"layer_norm_into", "rms_norm_into", "add_layer_norm_", "add_rms_norm_",
-                           "layer_norm_quant", "rms_norm_quant"}) {
+                           "layer_norm_quant", "rms_norm_quant", "layer_norm_quant_into", "rms_norm_quant_into"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&inference_op_autograd>());
   }
 }

@@ -148,10 +148,14 @@ NormGeometry check_backward_args(const char* op, const Tensor& grad_out, const T
 
 void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest,
                        ScalarType dtype) {
+  check_destination(op, name, input, dest, dtype, input.sizes());
+}
+
+void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest, ScalarType dtype,
+                       at::IntArrayRef shape) {
   check_same_device(op, name, input, dest);
-  TORCH_CHECK(dest.scalar_type() == dtype && dest.sizes() == input.sizes(), op, ": expected ", name, " of shape ",
-              input.sizes(), " and dtype ", dtype, ", but got ", name, " of shape ", dest.sizes(), " and dtype ",
-              dest.scalar_type());
+  TORCH_CHECK(dest.scalar_type() == dtype && dest.sizes() == shape, op, ": expected ", name, " of shape ", shape,
+              " and dtype ", dtype, ", but got ", name, " of shape ", dest.sizes(), " and dtype ", dest.scalar_type());
   TORCH_CHECK(dest.is_contiguous(), op, ": expected ", name, " to be contiguous (the kernels write it row by row)");
 }
 
@@ -164,9 +168,12 @@ void check_no_overlap(const char* op, const char* name, const Tensor& dest, cons
 }
 
 void check_quant_args(const char* op, const Tensor& input, ScalarType quant_dtype, const OptTensor& scale,
-                      const OptTensor& scale_ub) {
-  TORCH_CHECK(quant_dtype == ScalarType::Float8_e4m3fn || quant_dtype == ScalarType::Char, op,
-              ": expected quant_dtype to be torch.float8_e4m3fn or torch.int8, but got ", quant_dtype);
+                      const OptTensor& scale_ub, bool dtype_of_out) {
+  const bool supported = quant_dtype == ScalarType::Float8_e4m3fn || quant_dtype == ScalarType::Char;
+  TORCH_CHECK(supported || !dtype_of_out, op,
+              ": expected out to be a torch.float8_e4m3fn or torch.int8 tensor (the codes), but got out of dtype ",
+              quant_dtype);
+  TORCH_CHECK(supported, op, ": expected quant_dtype to be torch.float8_e4m3fn or torch.int8, but got ", quant_dtype);
   TORCH_CHECK(!(scale.has_value() && scale_ub.has_value()), op,
               ": scale_ub caps the dynamic per-row scale, so it cannot be given with a static scale");
   auto check_one_float = [&](const char* name, const Tensor& t) {
@@ -177,6 +184,18 @@ void check_quant_args(const char* op, const Tensor& input, ScalarType quant_dtyp
   };
   if (scale.has_value()) check_one_float("scale", *scale);
   if (scale_ub.has_value()) check_one_float("scale_ub", *scale_ub);
+}
+
+void check_scales_buffer(const char* op, const Tensor& input, bool static_scale, const OptTensor& scales,
+                         at::IntArrayRef scale_shape) {
+  if (static_scale) {
+    TORCH_CHECK(!scales.has_value(), op,
+                ": scales= receives the dynamic per-row scales; with a static scale there are none to write");
+    return;
+  }
+  TORCH_CHECK(scales.has_value(), op,
+              ": a dynamic scale (no scale=) needs a scales= buffer for the per-row scales of shape ", scale_shape);
+  check_destination(op, "scales", input, *scales, ScalarType::Float, scale_shape);
 }
 
 void check_weight_offset(const char* op, const OptTensor& weight, double weight_offset) {

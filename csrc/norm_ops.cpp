@@ -37,6 +37,7 @@ struct ForwardResult {
 struct QuantRequest {
   ScalarType dtype;
   OptTensor scale, scale_ub;
+  OptTensor scales_out;  // with caller's buffers (Destination::out): where the dynamic scales go
 };
 
 // Where a forward writes: new tensors with the statistics (the ops autograd saves from), or the caller's
@@ -60,10 +61,15 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
                                                      : input_arg.scalar_type();
   const ScalarType acc = acc_type_for(h_type);
   const bool given = dest.out.has_value();
-  if (dest.quant != nullptr) check_quant_args(op, input_arg, dest.quant->dtype, dest.quant->scale, dest.quant->scale_ub);
+  const QuantRequest* quant = dest.quant;
+  if (quant != nullptr) check_quant_args(op, input_arg, quant->dtype, quant->scale, quant->scale_ub, given);
+  // One scale per row, shaped as the rows with 1 for each normalized dim: it broadcasts against the codes.
+  std::vector<int64_t> scale_shape = g.stat_shape;
+  scale_shape.resize(scale_shape.size() + normalized_shape.size(), 1);
   if (given) {
     const char* out_name = dest.in_place ? "input" : "out";
-    check_destination(op, out_name, input_arg, *dest.out, input_arg.scalar_type());
+    check_destination(op, out_name, input_arg, *dest.out, quant != nullptr ? quant->dtype : input_arg.scalar_type());
+    if (quant != nullptr) check_scales_buffer(op, input_arg, quant->scale.has_value(), quant->scales_out, scale_shape);
     TORCH_CHECK(residual_arg.has_value() == dest.residual_out.has_value(), op,
                 residual_arg.has_value() ? ": a residual needs a residual_out buffer (h = input + residual)"
                                          : ": residual_out is given without a residual");
@@ -71,15 +77,31 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
       check_destination(op, dest.in_place ? "residual" : "residual_out", input_arg, *dest.residual_out, h_type);
     }
     if (!dest.in_place) {
-      for (const Tensor* d : {&*dest.out, dest.residual_out.has_value() ? &*dest.residual_out : nullptr}) {
+      // The quantized ops may write h over residual itself (the engines' fused add in place): each element of h
+      // is written where the same thread read residual's.
+      const bool h_over_residual = quant != nullptr && residual_arg.has_value() &&
+                                   dest.residual_out->is_same(*residual_arg);
+      const OptTensor scales_out = quant != nullptr ? quant->scales_out : std::nullopt;
+      for (const Tensor* d : {&*dest.out, dest.residual_out.has_value() ? &*dest.residual_out : nullptr,
+                              scales_out.has_value() ? &*scales_out : nullptr}) {
         if (d == nullptr) continue;
-        const char* name = d == &*dest.out ? "out" : "residual_out";
+        const char* name = d == &*dest.out ? "out" : (d == &*scales_out ? "scales" : "residual_out");
         check_no_overlap(op, name, *d, "input", input_arg);
-        if (residual_arg.has_value()) check_no_overlap(op, name, *d, "residual", *residual_arg);
+        if (residual_arg.has_value() && !(h_over_residual && d == &*dest.residual_out)) {
+          check_no_overlap(op, name, *d, "residual", *residual_arg);
+        }
         if (weight_arg.has_value()) check_no_overlap(op, name, *d, "weight", *weight_arg);
         if (bias_arg.has_value()) check_no_overlap(op, name, *d, "bias", *bias_arg);
+        if (quant != nullptr && quant->scale.has_value()) check_no_overlap(op, name, *d, "scale", *quant->scale);
+        if (quant != nullptr && quant->scale_ub.has_value()) {
+          check_no_overlap(op, name, *d, "scale_ub", *quant->scale_ub);
+        }
       }
       if (dest.residual_out.has_value()) check_no_overlap(op, "out", *dest.out, "residual_out", *dest.residual_out);
+      if (scales_out.has_value()) {
+        check_no_overlap(op, "scales", *scales_out, "out", *dest.out);
+        if (dest.residual_out.has_value()) check_no_overlap(op, "scales", *scales_out, "residual_out", *dest.residual_out);
+      }
     }
   }
   const Tensor input = input_arg.contiguous();
@@ -88,19 +110,17 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   const OptTensor residual = contiguous(residual_arg);
 
   ForwardResult r;
-  const bool dynamic_scale = dest.quant != nullptr && !dest.quant->scale.has_value();
-  const OptTensor scale = dest.quant != nullptr ? contiguous(dest.quant->scale) : std::nullopt;
-  const OptTensor scale_ub = dest.quant != nullptr ? contiguous(dest.quant->scale_ub) : std::nullopt;
+  const bool dynamic_scale = quant != nullptr && !quant->scale.has_value();
+  const OptTensor scale = quant != nullptr ? contiguous(quant->scale) : std::nullopt;
+  const OptTensor scale_ub = quant != nullptr ? contiguous(quant->scale_ub) : std::nullopt;
   if (given) {
     r.out = *dest.out;  // nothing returned: no placeholder either
     if (residual.has_value()) r.residual_out = *dest.residual_out;
-  } else if (dest.quant != nullptr) {
-    r.out = at::empty(input.sizes(), input.options().dtype(dest.quant->dtype));
+    if (dynamic_scale) r.scales = *quant->scales_out;
+  } else if (quant != nullptr) {
+    r.out = at::empty(input.sizes(), input.options().dtype(quant->dtype));
     r.residual_out = residual.has_value() ? at::empty(input.sizes(), input.options().dtype(h_type))
                                           : placeholder(input, input.scalar_type());
-    // One scale per row, shaped as the rows with 1 for each normalized dim: it broadcasts against the codes.
-    std::vector<int64_t> scale_shape = g.stat_shape;
-    scale_shape.resize(scale_shape.size() + normalized_shape.size(), 1);
     r.scales = dynamic_scale ? at::empty(scale_shape, input.options().dtype(ScalarType::Float))
                              : placeholder(input, ScalarType::Float);
   } else {
@@ -123,7 +143,7 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     if (r.mean.defined()) r.mean.zero_();
     if (r.rstd.defined()) r.rstd.fill_(std::numeric_limits<double>::quiet_NaN());
     if (dynamic_scale) {  // rows of no elements: absmax 0, hence the smallest scale (quant_math.h)
-      r.scales.fill_(quant::dynamic_scale(0.0f, nullptr, dest.quant->dtype == ScalarType::Char));
+      r.scales.fill_(quant::dynamic_scale(0.0f, nullptr, quant->dtype == ScalarType::Char));
     }
     return r;
   }
@@ -150,10 +170,10 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   p.rms = rms;
   p.weight_offset = weight_offset;
   p.cast_before_weight = cast_before_weight;
-  if (dest.quant != nullptr) {
+  if (quant != nullptr) {
     p.out = nullptr;
     p.codes = r.out.data_ptr();
-    p.quant_type = dest.quant->dtype;
+    p.quant_type = quant->dtype;
     p.scale = scale.has_value() ? scale->data_ptr<float>() : nullptr;
     p.scale_ub = scale_ub.has_value() ? scale_ub->data_ptr<float>() : nullptr;
     p.row_scales = dynamic_scale ? r.scales.data_ptr<float>() : nullptr;
@@ -307,6 +327,30 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_quant(const Tensor& input, c10::SymI
   ForwardResult r = norm_forward("rms_norm_quant", input, normalized_shape, weight, std::nullopt, eps, residual,
                                  residual_in_fp32, /*rms=*/true, weight_offset, cast_before_weight, launch, dest);
   return {r.out, r.scales, r.residual_out};
+}
+
+void layer_norm_quant_into(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                          const OptTensor& bias, double eps, const Tensor& out, const OptTensor& scale,
+                          const OptTensor& scales, const OptTensor& scale_ub, const OptTensor& residual,
+                          const OptTensor& residual_out, bool residual_in_fp32, double weight_offset,
+                          bool cast_before_weight, ForwardLauncher launch) {
+  const QuantRequest quant{out.scalar_type(), scale, scale_ub, scales};
+  Destination dest{out, residual_out};
+  dest.quant = &quant;
+  norm_forward("layer_norm_quant_into", input, normalized_shape, weight, bias, eps, residual, residual_in_fp32,
+               /*rms=*/false, weight_offset, cast_before_weight, launch, dest);
+}
+
+void rms_norm_quant_into(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                         std::optional<double> eps, const Tensor& out, const OptTensor& scale, const OptTensor& scales,
+                         const OptTensor& scale_ub, const OptTensor& residual, const OptTensor& residual_out,
+                         bool residual_in_fp32, double weight_offset, bool cast_before_weight,
+                         ForwardLauncher launch) {
+  const QuantRequest quant{out.scalar_type(), scale, scale_ub, scales};
+  Destination dest{out, residual_out};
+  dest.quant = &quant;
+  norm_forward("rms_norm_quant_into", input, normalized_shape, weight, std::nullopt, eps, residual,
+               residual_in_fp32, /*rms=*/true, weight_offset, cast_before_weight, launch, dest);
 }
 
 std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const Tensor& saved, const Tensor& mean,

@@ -111,10 +111,14 @@ def check_weight_offset(op: str, weight: Tensor | None, weight_offset: float) ->
 
 
 def check_quant(
-    op: str, input: Tensor, quant_dtype: torch.dtype, scale: Tensor | None, scale_ub: Tensor | None
+    op: str, input: Tensor, quant_dtype: torch.dtype, scale: Tensor | None, scale_ub: Tensor | None,
+    dtype_of_out: bool = False,
 ) -> None:
     """check_quant_args."""
     if quant_dtype not in (torch.float8_e4m3fn, torch.int8):
+        if dtype_of_out:
+            _fail(op, "expected out to be a torch.float8_e4m3fn or torch.int8 tensor (the codes), but got out of "
+                      f"dtype {_name(quant_dtype)}")
         _fail(op, f"expected quant_dtype to be torch.float8_e4m3fn or torch.int8, but got {_name(quant_dtype)}")
     if scale is not None and scale_ub is not None:
         _fail(op, "scale_ub caps the dynamic per-row scale, so it cannot be given with a static scale")
@@ -127,15 +131,32 @@ def check_quant(
                       f"{_name(t.dtype)} and shape {_sizes(t.shape)}")
 
 
-def check_destination(op: str, name: str, input: Tensor, dest: Tensor, dtype: torch.dtype) -> None:
-    """check_destination. (check_no_overlap is not mirrored: fake tensors have no memory to compare; a traced
-    program whose buffers overlap fails when it runs.)"""
+def check_destination(
+    op: str, name: str, input: Tensor, dest: Tensor, dtype: torch.dtype, shape: Sequence[object] | None = None
+) -> None:
+    """check_destination (of input's shape, or of ``shape``). (check_no_overlap is not mirrored: fake tensors
+    have no memory to compare; a traced program whose buffers overlap fails when it runs.)"""
     _check_same_device(op, name, input, dest)
-    if dest.dtype != dtype or list(dest.shape) != list(input.shape):
-        _fail(op, f"expected {name} of shape {_sizes(input.shape)} and dtype {_name(dtype)}, but got {name} of shape "
+    want = list(input.shape) if shape is None else list(shape)
+    if dest.dtype != dtype or list(dest.shape) != want:
+        _fail(op, f"expected {name} of shape {_sizes(want)} and dtype {_name(dtype)}, but got {name} of shape "
                   f"{_sizes(dest.shape)} and dtype {_name(dest.dtype)}")
     if not dest.is_contiguous():
         _fail(op, f"expected {name} to be contiguous (the kernels write it row by row)")
+
+
+def check_scales_buffer(
+    op: str, input: Tensor, static_scale: bool, scales: Tensor | None, scale_shape: Sequence[object]
+) -> None:
+    """check_scales_buffer."""
+    if static_scale:
+        if scales is not None:
+            _fail(op, "scales= receives the dynamic per-row scales; with a static scale there are none to write")
+        return
+    if scales is None:
+        _fail(op, "a dynamic scale (no scale=) needs a scales= buffer for the per-row scales of shape "
+                  f"{_sizes(scale_shape)}")
+    check_destination(op, "scales", input, scales, torch.float32, scale_shape)
 
 
 def check_destinations(

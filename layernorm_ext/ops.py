@@ -231,5 +231,49 @@ def _rms_norm_quant_fake(
                        residual, residual_in_fp32, weight_offset)  # fmt: skip
 
 
+# The quantized ops into the caller's buffers (out: the codes; scales: the dynamic scales; residual_out: h, which
+# may be residual itself): they return nothing, so their fake kernels only check, in norm_forward's order.
+
+
+def _fake_quant_into(
+    op: str, input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
+    out: Tensor, scale: Tensor | None, scales: Tensor | None, scale_ub: Tensor | None, residual: Tensor | None,
+    residual_out: Tensor | None, residual_in_fp32: bool, weight_offset: float,
+) -> None:
+    stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual)
+    _checks.check_weight_offset(op, weight, weight_offset)
+    _checks.check_quant(op, input, out.dtype, scale, scale_ub, dtype_of_out=True)
+    _checks.check_destination(op, "out", input, out, out.dtype)
+    _checks.check_scales_buffer(op, input, scale is not None, scales, (*stat_shape, *([1] * len(normalized_shape))))
+    h_dtype = input.dtype if residual is None else residual_out_dtype(input, residual, residual_in_fp32)
+    if (residual is None) != (residual_out is None):
+        _checks._fail(op, "a residual needs a residual_out buffer (h = input + residual)" if residual is not None
+                      else "residual_out is given without a residual")  # fmt: skip
+    if residual_out is not None:
+        _checks.check_destination(op, "residual_out", input, residual_out, h_dtype)
+
+
+@torch.library.register_fake("layernorm_ext::layer_norm_quant_into")
+def _layer_norm_quant_into_fake(
+    input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None, eps: float,
+    out: Tensor, scale: Tensor | None = None, scales: Tensor | None = None, scale_ub: Tensor | None = None,
+    residual: Tensor | None = None, residual_out: Tensor | None = None, residual_in_fp32: bool = False,
+    weight_offset: float = 0.0, cast_before_weight: bool = False,
+) -> None:
+    _fake_quant_into("layer_norm_quant_into", input, normalized_shape, weight, bias, out, scale, scales, scale_ub,
+                     residual, residual_out, residual_in_fp32, weight_offset)  # fmt: skip
+
+
+@torch.library.register_fake("layernorm_ext::rms_norm_quant_into")
+def _rms_norm_quant_into_fake(
+    input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, eps: float | None, out: Tensor,
+    scale: Tensor | None = None, scales: Tensor | None = None, scale_ub: Tensor | None = None,
+    residual: Tensor | None = None, residual_out: Tensor | None = None, residual_in_fp32: bool = False,
+    weight_offset: float = 0.0, cast_before_weight: bool = False,
+) -> None:
+    _fake_quant_into("rms_norm_quant_into", input, normalized_shape, weight, None, out, scale, scales, scale_ub,
+                     residual, residual_out, residual_in_fp32, weight_offset)  # fmt: skip
+
+
 # DTensor sharding strategies (layernorm_ext/sharding.py), registered once torch.distributed.tensor is loaded.
 sharding.register_when_imported()

@@ -16,6 +16,11 @@ LayerNorm and RMSNorm, every input dtype, CPU and CUDA. Each function is one cal
 ``codes.float() * scale`` dequantizes (the dynamic scales are shaped as the rows with a 1 for each normalized
 dim, so they broadcast). They store no statistics and, like the other inference ops, refuse arguments that
 require grad while grad mode is on.
+
+With ``out=`` (vLLM's convention: the codes' buffer, whose dtype is the quantized one), ``scales=`` (the dynamic
+scales' buffer) and, for the residual variants, ``residual_out=`` (h's buffer, which may be ``residual`` itself:
+vLLM's ``fused_add_rms_norm_static_fp8_quant`` updates the residual in place), nothing is allocated
+(``torch.ops.layernorm_ext.layer_norm_quant_into`` / ``rms_norm_quant_into``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 from torch import Tensor
 
 from . import ops  # noqa: F401  (registers the fake kernels)
+from ._checks import _fail
 from .functional import ShapeLike, _as_shape
 
 _ops = torch.ops.layernorm_ext
@@ -33,8 +39,16 @@ _ARGS_DOC = """
     on the input's device, the static scale; without it each row gets its own scale, capped by ``scale_ub`` (a
     float32 tensor of one element) when given. ``weight_offset`` / ``cast_before_weight`` as in
     :func:`layernorm_ext.layer_norm`. The scales are not checked for being positive and finite (on CUDA that
-    would cost a host sync).
+    would cost a host sync). ``out=`` / ``scales=`` / ``residual_out=``: write into these buffers instead (see the
+    module's doc).
 """
+
+
+def _into_only(op: str, out: Tensor | None, **buffers: Tensor | None) -> None:
+    if out is None:
+        for name, buffer in buffers.items():
+            if buffer is not None:
+                _fail(op, f"{name}= goes with out= (the codes' buffer)")
 
 
 def layer_norm_quant(
@@ -49,9 +63,18 @@ def layer_norm_quant(
     scale_ub: Tensor | None = None,
     weight_offset: float = 0.0,
     cast_before_weight: bool = False,
+    out: Tensor | None = None,
+    scales: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``layer_norm(input, ...)`` quantized: returns ``(codes, scale)``, ``scale`` the one given (static) or the
     rows' scales (dynamic)."""
+    _into_only("layer_norm_quant", out, scales=scales)
+    if out is not None:
+        _ops.layer_norm_quant_into.default(
+            input, _as_shape(normalized_shape), weight, bias, eps, out, scale, scales, scale_ub, None, None, False,
+            weight_offset, cast_before_weight,
+        )  # fmt: skip
+        return out, scale if scale is not None else scales  # type: ignore[return-value]
     codes, scales, _ = _ops.layer_norm_quant.default(
         input, _as_shape(normalized_shape), weight, bias, eps, quant_dtype, scale, scale_ub, None, False,
         weight_offset, cast_before_weight,
@@ -70,9 +93,18 @@ def rms_norm_quant(
     scale_ub: Tensor | None = None,
     weight_offset: float = 0.0,
     cast_before_weight: bool = False,
+    out: Tensor | None = None,
+    scales: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``rms_norm(input, ...)`` quantized (vLLM's ``rms_norm_static_fp8_quant`` with ``scale``,
     ``rms_norm_dynamic_per_token_quant`` without): returns ``(codes, scale)``."""
+    _into_only("rms_norm_quant", out, scales=scales)
+    if out is not None:
+        _ops.rms_norm_quant_into.default(
+            input, _as_shape(normalized_shape), weight, eps, out, scale, scales, scale_ub, None, None, False,
+            weight_offset, cast_before_weight,
+        )  # fmt: skip
+        return out, scale if scale is not None else scales  # type: ignore[return-value]
     codes, scales, _ = _ops.rms_norm_quant.default(
         input, _as_shape(normalized_shape), weight, eps, quant_dtype, scale, scale_ub, None, False, weight_offset,
         cast_before_weight,
@@ -94,9 +126,19 @@ def add_layer_norm_quant(
     residual_in_fp32: bool = False,
     weight_offset: float = 0.0,
     cast_before_weight: bool = False,
+    out: Tensor | None = None,
+    scales: Tensor | None = None,
+    residual_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``h = input + residual``, then ``layer_norm(h)`` quantized: returns ``(codes, scale, h)`` (h as in
     :func:`layernorm_ext.add_layer_norm`)."""
+    _into_only("layer_norm_quant", out, scales=scales, residual_out=residual_out)
+    if out is not None:
+        _ops.layer_norm_quant_into.default(
+            input, _as_shape(normalized_shape), weight, bias, eps, out, scale, scales, scale_ub, residual,
+            residual_out, residual_in_fp32, weight_offset, cast_before_weight,
+        )  # fmt: skip
+        return out, scale if scale is not None else scales, residual_out  # type: ignore[return-value]
     codes, scales, residual_out = _ops.layer_norm_quant.default(
         input, _as_shape(normalized_shape), weight, bias, eps, quant_dtype, scale, scale_ub, residual,
         residual_in_fp32, weight_offset, cast_before_weight,
@@ -117,9 +159,20 @@ def add_rms_norm_quant(
     residual_in_fp32: bool = False,
     weight_offset: float = 0.0,
     cast_before_weight: bool = False,
+    out: Tensor | None = None,
+    scales: Tensor | None = None,
+    residual_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``h = input + residual``, then ``rms_norm(h)`` quantized (vLLM's ``fused_add_rms_norm_static_fp8_quant``
-    with ``scale``; without it, the dynamic per-row variant): returns ``(codes, scale, h)``."""
+    with ``scale``, and ``residual_out=residual`` for its in-place residual; without ``scale``, the dynamic
+    per-row variant): returns ``(codes, scale, h)``."""
+    _into_only("rms_norm_quant", out, scales=scales, residual_out=residual_out)
+    if out is not None:
+        _ops.rms_norm_quant_into.default(
+            input, _as_shape(normalized_shape), weight, eps, out, scale, scales, scale_ub, residual, residual_out,
+            residual_in_fp32, weight_offset, cast_before_weight,
+        )  # fmt: skip
+        return out, scale if scale is not None else scales, residual_out  # type: ignore[return-value]
     codes, scales, residual_out = _ops.rms_norm_quant.default(
         input, _as_shape(normalized_shape), weight, eps, quant_dtype, scale, scale_ub, residual, residual_in_fp32,
         weight_offset, cast_before_weight,

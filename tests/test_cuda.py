@@ -575,6 +575,16 @@ def test_quantized_output_is_the_composite_of_the_functional_op(rms: bool, quant
     graph.replay()
     for got, expected, what in zip(captured, eager, ("codes", "scales", "residual_out"), strict=True):
         same_codes(got, expected, f"graph replay: {what}")
+    # Into the caller's buffers, the residual updated in place (vLLM's fused add + static fp8 quant).
+    scale = (absmax / qmax * 0.8).reshape(1)
+    want_codes, _, want_h = run(scale, None)
+    codes, residual = torch.empty_like(want_codes), r.clone()
+    if rms:
+        L.add_rms_norm_quant(x, residual, n, w, scale=scale, out=codes, residual_out=residual)
+    else:
+        L.add_layer_norm_quant(x, residual, n, w, b, scale=scale, out=codes, residual_out=residual)
+    same_codes(codes, want_codes, "into: codes")
+    _same_bits(residual, want_h, "into: residual in place")
 
 
 # ---- no host synchronization ------------------------------------------------------------------------------

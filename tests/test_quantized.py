@@ -388,3 +388,150 @@ def test_fp8_decode_step_compiles_fullgraph(backend: str) -> None:
     torch._dynamo.reset()
     for g, e, name in zip(got, eager, ("codes", "h", "int8 codes", "int8 scales"), strict=True):
         assert torch.equal(g, e), name
+
+
+# ---- into the caller's buffers (out=, scales=, residual_out=) -------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
+@pytest.mark.parametrize("cols", [7, 769])
+@pytest.mark.parametrize("fn", FNS)
+def test_into_buffers_equal_the_allocating_op(fn: str, cols: int, quant_dtype: torch.dtype, mode: str) -> None:
+    a = _args(fn, BF16, F32, cols)
+    y, _ = _unquantized(fn, a)
+    scale, scale_ub = _scales(mode, quant_dtype, y)
+    want = _quantized(fn, a, quant_dtype=quant_dtype, scale=scale, scale_ub=scale_ub)
+    out = torch.full(a["x"].shape, 7, dtype=torch.uint8).view(quant_dtype)
+    kw: dict[str, object] = {"out": out, "scale": scale, "scale_ub": scale_ub}
+    if scale is None:
+        kw["scales"] = torch.full((a["x"].shape[0], 1), math.nan)
+    if fn.startswith("add_"):
+        kw["residual_out"] = torch.full_like(a["x"], math.nan)
+    got = _quantized(fn, a, **kw)
+    assert got[0] is out
+    _same_bits(out, want[0], "codes")
+    if scale is None:
+        assert got[1] is kw["scales"]
+        _same_bits(got[1], want[1], "scales")
+    else:
+        assert got[1] is scale
+    if fn.startswith("add_"):
+        assert got[2] is kw["residual_out"]
+        _same_bits(got[2], want[2], "residual_out")
+
+
+@pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_residual_updated_in_place(rms: bool, quant_dtype: torch.dtype) -> None:
+    """vLLM's fused_add_rms_norm_static_fp8_quant: residual_out=residual writes h over the residual."""
+    fn = "add_rms_norm" if rms else "add_layer_norm"
+    a = _args(fn, BF16, BF16, 4096, rows=3)
+    scale = torch.tensor([0.03])
+    want = _quantized(fn, a, quant_dtype=quant_dtype, scale=scale)
+    residual = a["r"].clone()
+    out = torch.empty(a["x"].shape, dtype=quant_dtype)
+    got = _quantized(fn, {**a, "r": residual}, quant_dtype=quant_dtype, scale=scale, out=out, residual_out=residual)
+    assert got[2] is residual
+    _same_bits(residual, want[2], "residual (h, in place)")
+    _same_bits(out, want[0], "codes")
+
+
+def test_into_allocates_nothing() -> None:
+    a = _args("add_rms_norm", BF16, BF16, 512, rows=16)
+    out, scales = torch.empty(16, 512, dtype=FP8), torch.empty(16, 1)
+
+    def allocations(call) -> int:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            call()
+        return sum(1 for e in prof.events() if e.name in ("aten::empty", "aten::empty_strided", "aten::empty_like"))
+
+    x, r, w = a["x"], a["r"], a["w"]
+    assert allocations(lambda: L.add_rms_norm_quant(x, r, 512, w)) == 3  # codes, scales, h
+    assert allocations(lambda: L.add_rms_norm_quant(x, r, 512, w, out=out, scales=scales, residual_out=r)) == 0
+    scale = torch.tensor([0.1])
+    assert allocations(lambda: L.rms_norm_quant(x, 512, w, out=out, scale=scale)) == 0
+
+
+def _bad_into_calls() -> list:
+    x, r, w = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)
+    codes = torch.empty(3, 8, dtype=FP8)
+    return [
+        pytest.param(lambda: L.rms_norm_quant(x, 8, w, out=torch.empty(3, 8), scales=torch.empty(3, 1)),
+                     "rms_norm_quant_into: expected out to be a torch.float8_e4m3fn or torch.int8 tensor \\(the codes\\), "
+                     "but got out of dtype Float", id="out-dtype"),
+        pytest.param(lambda: L.rms_norm_quant(x, 8, w, out=torch.empty(3, 9, dtype=I8), scales=torch.empty(3, 1)),
+                     r"expected out of shape \[3, 8\] and dtype Char, but got out of shape \[3, 9\]", id="out-shape"),
+        pytest.param(lambda: L.rms_norm_quant(x, 8, w, out=codes),
+                     r"a dynamic scale \(no scale=\) needs a scales= buffer for the per-row scales of shape \[3, 1\]",
+                     id="no-scales"),
+        pytest.param(lambda: L.rms_norm_quant(x, 8, w, out=codes, scale=torch.ones(1), scales=torch.empty(3, 1)),
+                     "scales= receives the dynamic per-row scales; with a static scale there are none", id="stray-scales"),
+        pytest.param(lambda: L.layer_norm_quant(x, 8, w, out=codes, scales=torch.empty(3)),
+                     r"expected scales of shape \[3, 1\] and dtype Float, but got scales of shape \[3\]", id="scales-shape"),
+        pytest.param(lambda: L.add_rms_norm_quant(x, r, 8, w, out=codes, scales=torch.empty(3, 1)),
+                     "a residual needs a residual_out buffer", id="no-residual-out"),
+        pytest.param(lambda: L.rms_norm_quant(x, 8, w, scales=torch.empty(3, 1)),
+                     "scales= goes with out=", id="scales-without-out"),
+    ]
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
+@pytest.mark.parametrize(("call", "match"), _bad_into_calls())
+def test_bad_buffers_are_refused(call, match: str, fake: bool) -> None:
+    if fake:
+        with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(RuntimeError, match=match):
+            call()
+    else:
+        with pytest.raises(RuntimeError, match=match):
+            call()
+
+
+def test_overlapping_buffers_are_refused() -> None:
+    x, r, w = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)
+    codes = torch.empty(3, 8, dtype=FP8)
+    with pytest.raises(RuntimeError, match="rms_norm_quant_into: residual_out shares memory with input"):
+        L.add_rms_norm_quant(x, r, 8, w, scale=torch.ones(1), out=codes, residual_out=x)
+    with pytest.raises(RuntimeError, match="rms_norm_quant_into: scales shares memory with input"):
+        L.rms_norm_quant(x, 8, w, out=codes, scales=x.view(-1)[:3].view(3, 1))
+
+
+@pytest.mark.parametrize("quant_dtype", [I8, FP8], ids=["i8", "fp8"])
+@pytest.mark.parametrize("case", ["rms-static-in-place", "ln-dynamic"])
+def test_opcheck_into(case: str, quant_dtype: torch.dtype) -> None:
+    """Every opcheck test with int8 codes; with float8 codes all but test_schema, whose comparison of the mutated
+    arguments multiplies them (torch has no float8 mul on CPU)."""
+    gen = torch.Generator().manual_seed(13)
+    x, r = torch.randn(3, 40, generator=gen).bfloat16(), torch.randn(3, 40, generator=gen).bfloat16()
+    w, b = torch.randn(40, generator=gen).bfloat16(), torch.randn(40, generator=gen).bfloat16()
+    codes = torch.empty(3, 40, dtype=quant_dtype)
+    every = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    utils = every if quant_dtype == I8 else every[1:]
+    if case == "rms-static-in-place":
+        res = r.clone()
+        torch.library.opcheck(_ops.rms_norm_quant_into.default,
+                              (x, [40], w, 1e-6, codes, torch.tensor([0.05]), None, None, res, res), test_utils=utils)
+    else:
+        torch.library.opcheck(_ops.layer_norm_quant_into.default,
+                              (x, [40], w, b, 1e-5, codes, None, torch.empty(3, 1), torch.tensor([3.0]), r,
+                               torch.empty_like(r), False, 0.5, True), test_utils=utils)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fp8_decode_step_into_buffers_compiles_fullgraph(backend: str) -> None:
+    """The engines' step with static buffers: residual updated in place, codes into a preallocated buffer."""
+    torch.manual_seed(14)
+    w = torch.randn(64).bfloat16()
+    scale = torch.tensor([0.05])
+
+    def step(x: Tensor, residual: Tensor, codes: Tensor) -> None:
+        L.add_rms_norm_quant(x, residual, 64, w, 1e-6, scale=scale, out=codes, residual_out=residual)
+
+    x, r = torch.randn(4, 64).bfloat16(), torch.randn(4, 64).bfloat16()
+    re, ce = r.clone(), torch.empty(4, 64, dtype=FP8)
+    step(x, re, ce)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    rc, cc = r.clone(), torch.empty(4, 64, dtype=FP8)
+    compiled(x, rc, cc)
+    torch._dynamo.reset()
+    assert torch.equal(rc, re), "residual"
+    assert torch.equal(cc.view(torch.uint8), ce.view(torch.uint8)), "codes"
