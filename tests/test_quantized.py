@@ -21,6 +21,8 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import layernorm_ext as L
+from test_inference_ops import _args
+from test_inference_ops import _functional as _unquantized
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")
 
@@ -77,26 +79,6 @@ def _same_bits(got: Tensor, want: Tensor, what: str) -> None:
 
 
 # ---- calls -----------------------------------------------------------------------------------------------------
-def _args(fn: str, dtype: torch.dtype, wdtype: torch.dtype, cols: int, rows: int = 5) -> dict[str, Tensor | None]:
-    gen = torch.Generator().manual_seed(cols * 7 + len(fn))
-    x = (torch.randn(rows, cols, generator=gen) * 2 + 0.3).to(dtype)
-    r = torch.randn(rows, cols, generator=gen).to(dtype) if fn.startswith("add_") else None
-    w = (torch.randn(cols, generator=gen) * 0.5 + 1).to(wdtype)
-    b = (torch.randn(cols, generator=gen) * 0.2).to(wdtype) if "layer" in fn else None
-    return {"x": x, "r": r, "w": w, "b": b}
-
-
-def _unquantized(fn: str, a: dict[str, Tensor | None], **kw: object) -> tuple[Tensor, Tensor | None]:
-    x, r, w, b, n = a["x"], a["r"], a["w"], a["b"], a["x"].shape[-1]
-    if fn == "layer_norm":
-        return L.layer_norm(x, n, w, b, **kw), None
-    if fn == "rms_norm":
-        return L.rms_norm(x, n, w, **kw), None
-    if fn == "add_layer_norm":
-        return L.add_layer_norm(x, r, n, w, b, **kw)
-    return L.add_rms_norm(x, r, n, w, **kw)
-
-
 def _quantized(fn: str, a: dict[str, Tensor | None], **kw: object) -> tuple[Tensor, Tensor, Tensor | None]:
     x, r, w, b, n = a["x"], a["r"], a["w"], a["b"], a["x"].shape[-1]
     if fn == "layer_norm":
@@ -328,15 +310,6 @@ def _bad_calls() -> list:
     ]
 
 
-@pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
-@pytest.mark.parametrize(("call", "match"), _bad_calls())
-def test_bad_arguments_are_refused(call, match: str, fake: bool) -> None:
-    if fake:
-        with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(RuntimeError, match=match):
-            call()
-    else:
-        with pytest.raises(RuntimeError, match=match):
-            call()
 
 
 def test_requires_grad_is_refused_and_no_grad_works() -> None:
@@ -475,8 +448,9 @@ def _bad_into_calls() -> list:
 
 
 @pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
-@pytest.mark.parametrize(("call", "match"), _bad_into_calls())
-def test_bad_buffers_are_refused(call, match: str, fake: bool) -> None:
+@pytest.mark.parametrize(("call", "match"), _bad_calls() + _bad_into_calls())
+def test_bad_arguments_and_buffers_are_refused(call, match: str, fake: bool) -> None:
+    """The same error, worded the same, eager and while tracing with fake tensors (torch.compile / export)."""
     if fake:
         with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(RuntimeError, match=match):
             call()
