@@ -47,7 +47,7 @@ struct QuantRequest {
 struct Destination {
   OptTensor out, residual_out;
   bool in_place = false;
-  const QuantRequest* quant = nullptr;  // new tensors: codes, scales, residual_out, and no statistics
+  const QuantRequest* quant = nullptr;  // codes (and scales) instead of out, and no statistics
 };
 
 ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntArrayRef normalized_shape_sym,
