@@ -64,8 +64,12 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   const QuantRequest* quant = dest.quant;
   if (quant != nullptr) check_quant_args(op, input_arg, quant->dtype, quant->scale, quant->scale_ub, given);
   // One scale per row, shaped as the rows with 1 for each normalized dim: it broadcasts against the codes.
-  std::vector<int64_t> scale_shape = g.stat_shape;
-  scale_shape.resize(scale_shape.size() + normalized_shape.size(), 1);
+  // (Only the quantized ops have scales: the other calls build no shape.)
+  std::vector<int64_t> scale_shape;
+  if (quant != nullptr) {
+    scale_shape = g.stat_shape;
+    scale_shape.resize(scale_shape.size() + normalized_shape.size(), 1);
+  }
   if (given) {
     const char* out_name = dest.in_place ? "input" : "out";
     check_destination(op, out_name, input_arg, *dest.out, quant != nullptr ? quant->dtype : input_arg.scalar_type());

@@ -243,11 +243,8 @@ struct QuantArgs {
   bool int8;
 };
 
-// The kernels' optional QuantArgs parameter (a pack of none or one), called only where there is one.
-template <typename... Quant>
-__device__ __forceinline__ const QuantArgs& quant_args(const QuantArgs& q) {
-  return q;
-}
+// The kernels' optional QuantArgs parameter (a pack of none or one), unpacked where there is one.
+__device__ __forceinline__ const QuantArgs& quant_args(const QuantArgs& q) { return q; }
 
 // h for one pack: the input, or round_to_Th(input + residual) (written to residual_out), in the compute type.
 template <typename Tin, typename Th, typename A, int kVec>
@@ -478,7 +475,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_rows_kernel(ForwardArg
       // Quantized output: the output values twice from the registers, for the absmax (dynamic scale), then
       // for the codes.
       __shared__ AbsMax absmax_scratch[kMaxRowThreads / 32];
-      const QuantArgs& q = quant_args<Quant...>(quant...);
+      const QuantArgs& q = quant_args(quant...);
       float absmax = 0.0f;
       if (q.scale == nullptr) {
 #pragma unroll
@@ -570,7 +567,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
     } else {
       // Quantized output: a pass for the absmax (dynamic scale), then one for the codes.
       __shared__ AbsMax absmax_scratch[kMaxRowThreads / 32];
-      const QuantArgs& q = quant_args<Quant...>(quant...);
+      const QuantArgs& q = quant_args(quant...);
       float absmax = 0.0f;
       if (q.scale == nullptr) {
         for (int64_t unit = threadIdx.x; unit < a.units; unit += blockDim.x) {
