@@ -51,6 +51,52 @@ def _into_only(op: str, out: Tensor | None, **buffers: Tensor | None) -> None:
                 _fail(op, f"{name}= goes with out= (the codes' buffer)")
 
 
+def _layer_norm_quant(
+    op_name: str, input: Tensor, normalized_shape: ShapeLike, weight: Tensor | None, bias: Tensor | None,
+    eps: float, residual: Tensor | None, residual_in_fp32: bool, quant_dtype: torch.dtype, scale: Tensor | None,
+    scale_ub: Tensor | None, weight_offset: float, cast_before_weight: bool, out: Tensor | None,
+    scales: Tensor | None, residual_out: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The one call of every LayerNorm function: into the buffers (out=) or allocating; (codes, scale, h)."""
+    _into_only(op_name, out, scales=scales, residual_out=residual_out)
+    shape = _as_shape(normalized_shape)
+    if out is not None:
+        _ops.layer_norm_quant_into.default(
+            input, shape, weight, bias, eps, out, scale, scales, scale_ub, residual, residual_out, residual_in_fp32,
+            weight_offset, cast_before_weight,
+        )  # fmt: skip
+        codes = out
+    else:
+        codes, scales, residual_out = _ops.layer_norm_quant.default(
+            input, shape, weight, bias, eps, quant_dtype, scale, scale_ub, residual, residual_in_fp32, weight_offset,
+            cast_before_weight,
+        )  # fmt: skip
+    return codes, scale if scale is not None else scales, residual_out  # type: ignore[return-value]
+
+
+def _rms_norm_quant(
+    op_name: str, input: Tensor, normalized_shape: ShapeLike, weight: Tensor | None, eps: float | None,
+    residual: Tensor | None, residual_in_fp32: bool, quant_dtype: torch.dtype, scale: Tensor | None,
+    scale_ub: Tensor | None, weight_offset: float, cast_before_weight: bool, out: Tensor | None,
+    scales: Tensor | None, residual_out: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The one call of every RMSNorm function (see _layer_norm_quant)."""
+    _into_only(op_name, out, scales=scales, residual_out=residual_out)
+    shape = _as_shape(normalized_shape)
+    if out is not None:
+        _ops.rms_norm_quant_into.default(
+            input, shape, weight, eps, out, scale, scales, scale_ub, residual, residual_out, residual_in_fp32,
+            weight_offset, cast_before_weight,
+        )  # fmt: skip
+        codes = out
+    else:
+        codes, scales, residual_out = _ops.rms_norm_quant.default(
+            input, shape, weight, eps, quant_dtype, scale, scale_ub, residual, residual_in_fp32, weight_offset,
+            cast_before_weight,
+        )  # fmt: skip
+    return codes, scale if scale is not None else scales, residual_out  # type: ignore[return-value]
+
+
 def layer_norm_quant(
     input: Tensor,
     normalized_shape: ShapeLike,
@@ -68,18 +114,11 @@ def layer_norm_quant(
 ) -> tuple[Tensor, Tensor]:
     """``layer_norm(input, ...)`` quantized: returns ``(codes, scale)``, ``scale`` the one given (static) or the
     rows' scales (dynamic)."""
-    _into_only("layer_norm_quant", out, scales=scales)
-    if out is not None:
-        _ops.layer_norm_quant_into.default(
-            input, _as_shape(normalized_shape), weight, bias, eps, out, scale, scales, scale_ub, None, None, False,
-            weight_offset, cast_before_weight,
-        )  # fmt: skip
-        return out, scale if scale is not None else scales  # type: ignore[return-value]
-    codes, scales, _ = _ops.layer_norm_quant.default(
-        input, _as_shape(normalized_shape), weight, bias, eps, quant_dtype, scale, scale_ub, None, False,
-        weight_offset, cast_before_weight,
+    codes, scale_out, _ = _layer_norm_quant(
+        "layer_norm_quant", input, normalized_shape, weight, bias, eps, None, False, quant_dtype, scale, scale_ub,
+        weight_offset, cast_before_weight, out, scales, None,
     )  # fmt: skip
-    return codes, scale if scale is not None else scales
+    return codes, scale_out
 
 
 def rms_norm_quant(
@@ -98,18 +137,11 @@ def rms_norm_quant(
 ) -> tuple[Tensor, Tensor]:
     """``rms_norm(input, ...)`` quantized (vLLM's ``rms_norm_static_fp8_quant`` with ``scale``,
     ``rms_norm_dynamic_per_token_quant`` without): returns ``(codes, scale)``."""
-    _into_only("rms_norm_quant", out, scales=scales)
-    if out is not None:
-        _ops.rms_norm_quant_into.default(
-            input, _as_shape(normalized_shape), weight, eps, out, scale, scales, scale_ub, None, None, False,
-            weight_offset, cast_before_weight,
-        )  # fmt: skip
-        return out, scale if scale is not None else scales  # type: ignore[return-value]
-    codes, scales, _ = _ops.rms_norm_quant.default(
-        input, _as_shape(normalized_shape), weight, eps, quant_dtype, scale, scale_ub, None, False, weight_offset,
-        cast_before_weight,
+    codes, scale_out, _ = _rms_norm_quant(
+        "rms_norm_quant", input, normalized_shape, weight, eps, None, False, quant_dtype, scale, scale_ub,
+        weight_offset, cast_before_weight, out, scales, None,
     )  # fmt: skip
-    return codes, scale if scale is not None else scales
+    return codes, scale_out
 
 
 def add_layer_norm_quant(
@@ -132,18 +164,10 @@ def add_layer_norm_quant(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``h = input + residual``, then ``layer_norm(h)`` quantized: returns ``(codes, scale, h)`` (h as in
     :func:`layernorm_ext.add_layer_norm`)."""
-    _into_only("layer_norm_quant", out, scales=scales, residual_out=residual_out)
-    if out is not None:
-        _ops.layer_norm_quant_into.default(
-            input, _as_shape(normalized_shape), weight, bias, eps, out, scale, scales, scale_ub, residual,
-            residual_out, residual_in_fp32, weight_offset, cast_before_weight,
-        )  # fmt: skip
-        return out, scale if scale is not None else scales, residual_out  # type: ignore[return-value]
-    codes, scales, residual_out = _ops.layer_norm_quant.default(
-        input, _as_shape(normalized_shape), weight, bias, eps, quant_dtype, scale, scale_ub, residual,
-        residual_in_fp32, weight_offset, cast_before_weight,
+    return _layer_norm_quant(
+        "layer_norm_quant", input, normalized_shape, weight, bias, eps, residual, residual_in_fp32, quant_dtype,
+        scale, scale_ub, weight_offset, cast_before_weight, out, scales, residual_out,
     )  # fmt: skip
-    return codes, scale if scale is not None else scales, residual_out
 
 
 def add_rms_norm_quant(
@@ -166,18 +190,10 @@ def add_rms_norm_quant(
     """``h = input + residual``, then ``rms_norm(h)`` quantized (vLLM's ``fused_add_rms_norm_static_fp8_quant``
     with ``scale``, and ``residual_out=residual`` for its in-place residual; without ``scale``, the dynamic
     per-row variant): returns ``(codes, scale, h)``."""
-    _into_only("rms_norm_quant", out, scales=scales, residual_out=residual_out)
-    if out is not None:
-        _ops.rms_norm_quant_into.default(
-            input, _as_shape(normalized_shape), weight, eps, out, scale, scales, scale_ub, residual, residual_out,
-            residual_in_fp32, weight_offset, cast_before_weight,
-        )  # fmt: skip
-        return out, scale if scale is not None else scales, residual_out  # type: ignore[return-value]
-    codes, scales, residual_out = _ops.rms_norm_quant.default(
-        input, _as_shape(normalized_shape), weight, eps, quant_dtype, scale, scale_ub, residual, residual_in_fp32,
-        weight_offset, cast_before_weight,
+    return _rms_norm_quant(
+        "rms_norm_quant", input, normalized_shape, weight, eps, residual, residual_in_fp32, quant_dtype, scale,
+        scale_ub, weight_offset, cast_before_weight, out, scales, residual_out,
     )  # fmt: skip
-    return codes, scale if scale is not None else scales, residual_out
 
 
 for _fn in (layer_norm_quant, rms_norm_quant, add_layer_norm_quant, add_rms_norm_quant):
