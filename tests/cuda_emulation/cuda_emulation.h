@@ -1,4 +1,4 @@
-// A host emulation of the little of CUDA that csrc/cuda/norm_kernels.cuh uses, so that the very same kernel
+// A host emulation of the little of CUDA that the kernels of csrc/cuda/*.cuh use, so that the very same kernel
 // and launcher code can run (slowly) on a machine without a GPU. Each CUDA thread of a block is a fiber on
 // the calling thread (a context switch of our own on x86-64, ucontext elsewhere); blocks run one after another. __syncthreads switches to the next fiber,
 // so the block's threads advance in lockstep from barrier to barrier (the order within a phase is the fiber

@@ -1,0 +1,308 @@
+// The backward kernels: backward_rows_kernel (rows in registers) and backward_long_kernel (a block per row),
+// both persistent, writing per-block dweight / dbias partials that reduce_partials_kernel sums in a fixed
+// order; their arguments (BackwardArgs) and per-pack steps. Launched from norm_kernels.cuh.
+#pragma once
+
+#include <cstdint>
+
+#include "kernel_common.cuh"
+
+namespace layernorm_ext {
+namespace cuda {
+
+template <typename A>
+struct BackwardArgs {
+  const void* grad_out;
+  const void* grad_residual_out;  // saved's dtype; nullptr if none
+  const void* saved;
+  const A* mean;  // nullptr for RMSNorm
+  const A* rstd;
+  const void* weight;
+  const void* bias;
+  void* grad_input;
+  A* partial_dweight;  // [gridDim.x, cols]; nullptr when not wanted
+  A* partial_dbias;
+  int64_t rows;
+  int64_t cols;
+  int64_t units;
+  double inv_cols;
+  A weight_offset;  // the forward's scale is weight + weight_offset
+  bool saved_is_output;
+  int lanes;
+  int rows_per_block;
+};
+
+// For one pack: dy, d and g = dy * weight. d is saved minus the row's stored mean (LayerNorm; exact near the
+// mean), saved itself (RMSNorm), or, in memory-efficient mode, xhat recovered from the forward's output as
+// (out - bias) / weight.
+template <typename Tg, typename Ts, typename Tw, bool kRms, typename A, int kVec>
+__device__ __forceinline__ void backward_load(const BackwardArgs<A>& a, int64_t row, int64_t col_unit, A mean,
+                                              A (&dy)[kVec], A (&d)[kVec], A (&g)[kVec]) {
+  const int64_t unit = row * a.units + col_unit;
+  load_pack<A, Tg, kVec>(a.grad_out, unit, dy);
+  load_pack<A, Ts, kVec>(a.saved, unit, d);
+  A w[kVec];
+  if (a.weight != nullptr) {
+    load_pack<A, Tw, kVec>(a.weight, col_unit, w);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) w[j] += a.weight_offset;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) w[j] = A(1);
+  }
+  if (a.saved_is_output) {
+    if (!kRms && a.bias != nullptr) {
+      A b[kVec];
+      load_pack<A, Tw, kVec>(a.bias, col_unit, b);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) d[j] -= b[j];
+    }
+    if (a.weight != nullptr) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) d[j] /= w[j];
+    }
+  } else if (!kRms) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) d[j] -= mean;
+  }
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) g[j] = dy[j] * w[j];
+}
+
+// The row sums of the backward: sum(g), sum(g * d) and, for LayerNorm, sum(d).
+template <typename A, bool kRms>
+using BackwardSums = Sums<A, kRms ? 2 : 3>;
+
+template <bool kRms, typename S, typename A, int kVec>
+__device__ __forceinline__ void add_backward_terms(BackwardSums<S, kRms>& s, const A (&d)[kVec], const A (&g)[kVec]) {
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    s.v[0] += static_cast<S>(g[j]);
+    s.v[1] += static_cast<S>(g[j]) * static_cast<S>(d[j]);
+    if constexpr (!kRms) s.v[2] += static_cast<S>(d[j]);
+  }
+}
+
+// A row's constants: xhat = (d - delta) * xscale and dx = rstd * (g - mean_g - xhat * mean_gx), evaluated as
+// rstd * fma(-(d - delta), k, g - mean_g) with k = xscale * mean_gx: the product with d is exact inside the
+// fused multiply-add, which matters where g - xhat * mean_gx cancels (N = 1: dx is proportional to
+// 1 - xhat^2). delta = mean(d) corrects the stored (rounded) mean: xhat is then centred exactly, and
+// sum(g * xhat) = rstd * (sum(g * d) - delta * sum(g)). Computed in double from the row sums, each rounded
+// once to the compute type.
+template <typename A>
+struct RowCoefficients {
+  A xscale, delta, rstd, mean_g, k;
+};
+
+__device__ __forceinline__ float fused_multiply_add(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+__device__ __forceinline__ double fused_multiply_add(double a, double b, double c) { return __fma_rn(a, b, c); }
+
+template <bool kRms, typename A, typename S>
+__device__ __forceinline__ RowCoefficients<A> row_coefficients(const BackwardArgs<A>& a, A rstd,
+                                                               const BackwardSums<S, kRms>& s) {
+  const double inv = a.inv_cols;
+  const double sum_g = static_cast<double>(s.v[0]), sum_gd = static_cast<double>(s.v[1]);
+  double delta = 0.0;
+  if constexpr (!kRms) delta = a.saved_is_output ? 0.0 : static_cast<double>(s.v[2]) * inv;
+  const double sum_gx = a.saved_is_output ? sum_gd : static_cast<double>(rstd) * (sum_gd - delta * sum_g);
+  RowCoefficients<A> c;
+  c.xscale = a.saved_is_output ? A(1) : rstd;
+  c.delta = static_cast<A>(delta);
+  c.rstd = rstd;
+  c.mean_g = kRms ? A(0) : static_cast<A>(sum_g * inv);
+  c.k = static_cast<A>(sum_gx * inv * static_cast<double>(c.xscale));
+  return c;
+}
+
+// For one pack: xhat from d (returned for the caller's dweight terms) and grad_input, plus the gradient
+// flowing into residual_out, stored.
+template <typename Ts, typename A, int kVec>
+__device__ __forceinline__ void backward_store(const BackwardArgs<A>& a, int64_t row, int64_t col_unit,
+                                               const RowCoefficients<A>& c, const A (&d)[kVec],
+                                               const A (&g)[kVec], A (&xhat)[kVec]) {
+  const int64_t unit = row * a.units + col_unit;
+  A dx[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const A centred = d[j] - c.delta;
+    xhat[j] = centred * c.xscale;
+    dx[j] = c.rstd * fused_multiply_add(-centred, c.k, g[j] - c.mean_g);
+  }
+  if (a.grad_residual_out != nullptr) {
+    A extra[kVec];
+    load_pack<A, Ts, kVec>(a.grad_residual_out, unit, extra);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) dx[j] += extra[j];
+  }
+  store_pack<Ts, A, kVec>(a.grad_input, unit, dx);
+}
+
+template <typename A>
+__device__ __forceinline__ void row_stats(const BackwardArgs<A>& a, int64_t row, bool rms, A* mean, A* rstd) {
+  *rstd = a.rstd[row];
+  *mean = (rms || a.mean == nullptr) ? A(0) : a.mean[row];
+}
+
+// The end of backward_rows_kernel: sum the groups' column partials and write row blockIdx.x of `out`
+// ([gridDim.x, cols]). The groups (a power of two) are added pairwise, as a tree through shared memory: a
+// fixed order, and an error that grows with log2(groups) rather than with their count. Every thread calls it.
+template <typename A, int kPacks, int kVec>
+__device__ __forceinline__ void write_block_partials(const BackwardArgs<A>& a, A (&acc)[kPacks][kVec], A* out,
+                                                     A* combine_buf, int group, int lane) {
+  for (int half = a.rows_per_block / 2; half >= 1; half /= 2) {
+    if (group >= half && group < 2 * half) {
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p)
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) combine_buf[(threadIdx.x * kPacks + p) * kVec + j] = acc[p][j];
+    }
+    __syncthreads();
+    if (group < half) {
+      const int t = (group + half) * a.lanes + lane;
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p)
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) acc[p][j] += combine_buf[(t * kPacks + p) * kVec + j];
+    }
+    __syncthreads();  // combine_buf is overwritten by the next level (or the next output)
+  }
+  if (group == 0) {
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+      const int64_t col_unit = static_cast<int64_t>(p) * a.lanes + lane;
+      if (col_unit < a.units) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) out[blockIdx.x * a.cols + col_unit * kVec + j] = acc[p][j];
+      }
+    }
+  }
+}
+
+// Register path, persistent. Thread mapping as forward_rows_kernel (rows_per_block groups of `lanes`
+// threads, lane l owns packs l, l + lanes, ...), but the grid is sized to the GPU and each group strides over
+// rows. Registers: the row's grad_out, d and g for the lane's packs, and the lane's dweight / dbias partials
+// for its columns across all its rows. One all-reduce per row of (sum g, sum g*d, sum d). At the end the
+// groups of a block add their partials in group order through shared memory and the block writes one row of
+// the [gridDim.x, cols] partial buffers (reduce_partials_kernel finishes the sum in a fixed order).
+template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec, int kPacks>
+__global__ void __launch_bounds__(kMaxRowThreads) backward_rows_kernel(BackwardArgs<acc_t<Ts>> a) {
+  using A = acc_t<Ts>;
+  using S = BackwardSums<A, kRms>;
+  __shared__ S scratch[kMaxRowThreads / 32];
+  LNX_DYNAMIC_SHARED(combine_bytes);  // blockDim.x * kPacks * kVec values, when rows_per_block > 1
+  A* combine_buf = reinterpret_cast<A*>(combine_bytes);
+  const int group = threadIdx.x / a.lanes;
+  const int lane = threadIdx.x % a.lanes;
+  const bool want_dweight = a.partial_dweight != nullptr;
+  const bool want_dbias = a.partial_dbias != nullptr;
+  A dweight[kPacks][kVec];
+  A dbias[kPacks][kVec];
+#pragma unroll
+  for (int p = 0; p < kPacks; ++p)
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) dweight[p][j] = dbias[p][j] = A(0);
+
+  const int64_t row_step = static_cast<int64_t>(gridDim.x) * a.rows_per_block;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * a.rows_per_block; base < a.rows; base += row_step) {
+    const int64_t row = base + group;
+    const bool row_ok = row < a.rows;
+    A mean = A(0), rstd = A(0);
+    if (row_ok) row_stats(a, row, kRms, &mean, &rstd);
+    A dy[kPacks][kVec], d[kPacks][kVec], g[kPacks][kVec];
+    S s{};
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+      const int64_t col_unit = static_cast<int64_t>(p) * a.lanes + lane;
+      if (row_ok && col_unit < a.units) {
+        backward_load<Tg, Ts, Tw, kRms, A, kVec>(a, row, col_unit, mean, dy[p], d[p], g[p]);
+        add_backward_terms<kRms>(s, d[p], g[p]);
+      }
+    }
+    s = row_allreduce(s, a.lanes, scratch);
+    const RowCoefficients<A> c = row_coefficients<kRms>(a, rstd, s);
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+      const int64_t col_unit = static_cast<int64_t>(p) * a.lanes + lane;
+      if (row_ok && col_unit < a.units) {
+        A xhat[kVec];
+        backward_store<Ts, A, kVec>(a, row, col_unit, c, d[p], g[p], xhat);
+        if (want_dweight) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) dweight[p][j] += dy[p][j] * xhat[j];
+        }
+        if (want_dbias) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) dbias[p][j] += dy[p][j];
+        }
+      }
+    }
+  }
+  // Block partials: group 0 adds the other groups' values in group order, then writes the block's row.
+  if (want_dweight) write_block_partials(a, dweight, a.partial_dweight, combine_buf, group, lane);
+  if (want_dbias) write_block_partials(a, dbias, a.partial_dbias, combine_buf, group, lane);
+}
+
+// Long-row path, persistent: one block of kMaxRowThreads per row, striding over rows; thread t handles packs
+// t, t + blockDim, ... Pass 1 reads grad_out and saved for the row sums (in double, as the forward's long
+// path: a thread adds hundreds of packs); pass 2 reads them again (mostly from L2), writes grad_input and adds
+// the dweight / dbias terms into the block's own row of the partial buffers, which only thread t ever touches
+// at its columns (no atomics; zeroed before the launch).
+template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec>
+__global__ void __launch_bounds__(kMaxRowThreads) backward_long_kernel(BackwardArgs<acc_t<Ts>> a) {
+  using A = acc_t<Ts>;
+  using S = BackwardSums<double, kRms>;
+  __shared__ S scratch[kMaxRowThreads / 32];
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    A mean, rstd;
+    row_stats(a, row, kRms, &mean, &rstd);
+    S s{};
+    for (int64_t col_unit = threadIdx.x; col_unit < a.units; col_unit += blockDim.x) {
+      A dy[kVec], d[kVec], g[kVec];
+      backward_load<Tg, Ts, Tw, kRms, A, kVec>(a, row, col_unit, mean, dy, d, g);
+      add_backward_terms<kRms>(s, d, g);
+    }
+    s = row_allreduce(s, static_cast<int>(blockDim.x), scratch);
+    const RowCoefficients<A> c = row_coefficients<kRms>(a, rstd, s);
+    for (int64_t col_unit = threadIdx.x; col_unit < a.units; col_unit += blockDim.x) {
+      A dy[kVec], d[kVec], g[kVec];
+      backward_load<Tg, Ts, Tw, kRms, A, kVec>(a, row, col_unit, mean, dy, d, g);
+      A xhat[kVec];
+      backward_store<Ts, A, kVec>(a, row, col_unit, c, d, g, xhat);
+      const int64_t offset = blockIdx.x * a.cols + col_unit * kVec;
+      if (a.partial_dweight != nullptr) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) a.partial_dweight[offset + j] += dy[j] * xhat[j];
+      }
+      if (a.partial_dbias != nullptr) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) a.partial_dbias[offset + j] += dy[j];
+      }
+    }
+  }
+}
+
+constexpr int kReduceColumns = 32;  // columns per block of reduce_partials_kernel
+constexpr int kReduceSlices = 32;   // threads per column, each summing every kReduceSlices-th partial row
+
+// Sum the [parts, cols] partial buffer over parts into a [cols] output of the parameters' dtype. Thread
+// (x, y) of a (32, 32) block sums partial rows y, y + 32, ... of column blockIdx.x * 32 + x in order; the 32
+// slice sums are then added pairwise (a tree). The order is fixed by the shape: the same bits on every run.
+template <typename Tw, typename A>
+__global__ void reduce_partials_kernel(const A* partial, void* out, int64_t parts, int64_t cols) {
+  __shared__ A slices[kReduceSlices][kReduceColumns];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kReduceColumns + threadIdx.x;
+  A sum = A(0);
+  if (col < cols) {
+    for (int64_t part = threadIdx.y; part < parts; part += kReduceSlices) sum += partial[part * cols + col];
+  }
+  slices[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  for (int half = kReduceSlices / 2; half >= 1; half /= 2) {
+    if (threadIdx.y < half) slices[threadIdx.y][threadIdx.x] += slices[threadIdx.y + half][threadIdx.x];
+    __syncthreads();
+  }
+  if (threadIdx.y == 0 && col < cols) static_cast<Tw*>(out)[col] = from_acc<Tw>(slices[0][threadIdx.x]);
+}
+
+}  // namespace cuda
+}  // namespace layernorm_ext

@@ -1,0 +1,193 @@
+// What the CUDA kernels of layernorm_ext share (forward_kernels.cuh, backward_kernels.cuh, norm_kernels.cuh):
+// the platform (the CUDA toolchain or the tests' host emulation), element types and packs, and the row
+// reductions (Welford, Sums, AbsMax states and their all-reduce over a row's threads).
+#pragma once
+
+// Platform: the real CUDA toolchain, or (LAYERNORM_EXT_CUDA_EMULATION, tests only) a header that runs these
+// very kernels on the host, one std::thread per CUDA thread (tests/cuda_emulation/cuda_emulation.h). The
+// kernels reach the GPU only through LNX_LAUNCH, LNX_DYNAMIC_SHARED, current_stream() and workspace().
+#ifdef LAYERNORM_EXT_CUDA_EMULATION
+#include "cuda_emulation.h"  // found through the test build's include path
+#else
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+// kernel<<<grid, block, shared bytes, stream>>>(args...)
+#define LNX_LAUNCH(kernel, grid, block, shared_bytes, stream) kernel<<<grid, block, shared_bytes, stream>>>
+// The block's dynamic shared memory as `unsigned char name[]`, 16-byte aligned.
+#define LNX_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+
+namespace layernorm_ext {
+namespace cuda {
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream(); }
+// Scratch memory from torch's caching allocator, ordered on the current stream (safe in CUDA graphs).
+inline c10::DataPtr workspace(size_t bytes) { return c10::cuda::CUDACachingAllocator::get()->allocate(bytes); }
+}  // namespace cuda
+}  // namespace layernorm_ext
+#endif
+
+#include <cstdint>
+#include <type_traits>
+
+#include "../norm_params.h"
+#include "../quant_math.h"
+
+namespace layernorm_ext {
+namespace cuda {
+
+// ---- element types -------------------------------------------------------------------------------------
+
+template <typename T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <typename A, typename T>
+__device__ __forceinline__ A to_acc(T v) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return static_cast<A>(__half2float(v));
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return static_cast<A>(__bfloat162float(v));
+  } else {
+    return static_cast<A>(v);
+  }
+}
+
+template <typename T, typename A>
+__device__ __forceinline__ T from_acc(A v) {
+  if constexpr (std::is_same_v<T, __half>) {
+    if constexpr (std::is_same_v<A, double>) return __double2half(v);
+    else return __float2half_rn(v);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if constexpr (std::is_same_v<A, double>) return __double2bfloat16(v);
+    else return __float2bfloat16_rn(v);
+  } else {
+    return static_cast<T>(v);
+  }
+}
+
+// kVec elements of T, aligned for one vector access (16 bytes at most per instruction).
+template <typename T, int kVec>
+struct alignas(sizeof(T) * kVec < 16 ? sizeof(T) * kVec : 16) Pack {
+  T v[kVec];
+};
+
+template <typename A, typename T, int kVec>
+__device__ __forceinline__ void load_pack(const void* base, int64_t unit, A (&out)[kVec]) {
+  const Pack<T, kVec> pack = reinterpret_cast<const Pack<T, kVec>*>(base)[unit];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) out[j] = to_acc<A>(pack.v[j]);
+}
+
+template <typename T, typename A, int kVec>
+__device__ __forceinline__ void store_pack(void* base, int64_t unit, const A (&in)[kVec]) {
+  Pack<T, kVec> pack;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) pack.v[j] = from_acc<T>(in[j]);
+  reinterpret_cast<Pack<T, kVec>*>(base)[unit] = pack;
+}
+
+// A pack of a tensor whose dtype is known only at run time (the residual: any float dtype). The branch is
+// uniform across the grid.
+template <typename A, int kVec>
+__device__ __forceinline__ void load_pack_dyn(const void* base, ScalarType type, int64_t unit, A (&out)[kVec]) {
+  switch (type) {
+    case ScalarType::Double: load_pack<A, double, kVec>(base, unit, out); break;
+    case ScalarType::Half: load_pack<A, __half, kVec>(base, unit, out); break;
+    case ScalarType::BFloat16: load_pack<A, __nv_bfloat16, kVec>(base, unit, out); break;
+    default: load_pack<A, float, kVec>(base, unit, out); break;
+  }
+}
+
+// Correctly rounded reciprocal as a single instruction (the long path's Welford merges): a division would call
+// a slow-path subroutine whose call frame costs registers (and spills). rstd is taken as ::rsqrt in double.
+__device__ __forceinline__ float reciprocal(float v) { return __frcp_rn(v); }
+__device__ __forceinline__ double reciprocal(double v) { return __drcp_rn(v); }
+
+// ---- reductions ------------------------------------------------------------------------------------------
+
+// Welford state of a set of values: count, mean, sum of squared deviations from the mean.
+template <typename A>
+struct Welford {
+  A n, mean, m2;
+};
+
+// Chan's merge; `a` is always the lower-indexed part, so the result is the same whichever lane computes it.
+template <typename A>
+__device__ __forceinline__ Welford<A> combine(const Welford<A>& a, const Welford<A>& b) {
+  const A n = a.n + b.n;
+  if (n == A(0)) return {A(0), A(0), A(0)};
+  const A b_share = b.n * reciprocal(n);
+  const A delta = b.mean - a.mean;
+  return {n, a.mean + delta * b_share, a.m2 + b.m2 + delta * delta * a.n * b_share};
+}
+
+// K running sums (RMSNorm forward: the sum of squares; backward: sum(g), sum(g * d) and, for LayerNorm,
+// sum(d)). Addition commutes exactly, so butterflies give every lane the same bits.
+template <typename A, int K>
+struct Sums {
+  A v[K];
+};
+
+template <typename A, int K>
+__device__ __forceinline__ Sums<A, K> combine(const Sums<A, K>& x, const Sums<A, K>& y) {
+  Sums<A, K> r;
+#pragma unroll
+  for (int k = 0; k < K; ++k) r.v[k] = x.v[k] + y.v[k];
+  return r;
+}
+
+template <typename A>
+__device__ __forceinline__ Welford<A> shfl_xor(const Welford<A>& s, int offset) {
+  return {__shfl_xor_sync(0xffffffffu, s.n, offset), __shfl_xor_sync(0xffffffffu, s.mean, offset),
+          __shfl_xor_sync(0xffffffffu, s.m2, offset)};
+}
+
+template <typename A, int K>
+__device__ __forceinline__ Sums<A, K> shfl_xor(const Sums<A, K>& s, int offset) {
+  Sums<A, K> r;
+#pragma unroll
+  for (int k = 0; k < K; ++k) r.v[k] = __shfl_xor_sync(0xffffffffu, s.v[k], offset);
+  return r;
+}
+
+// A row's max |y| for the dynamic quantization scale; NaN wins (quant_math.h), so any order gives the same.
+struct AbsMax {
+  float v;
+};
+
+__device__ __forceinline__ AbsMax combine(const AbsMax& x, const AbsMax& y) { return {quant::nan_max(x.v, y.v)}; }
+
+__device__ __forceinline__ AbsMax shfl_xor(const AbsMax& s, int offset) {
+  return {__shfl_xor_sync(0xffffffffu, s.v, offset)};
+}
+
+// All-reduce over the `lanes` threads of one row: a power of two up to 32 (a sub-warp, aligned inside its
+// warp), or a multiple of 32 spanning the whole block. Every thread of the block must call it. `scratch`:
+// shared memory for one Stat per warp.
+template <typename Stat>
+__device__ __forceinline__ Stat row_allreduce(Stat s, int lanes, Stat* scratch) {
+  const int warp_lanes = lanes < 32 ? lanes : 32;
+  for (int offset = 1; offset < warp_lanes; offset <<= 1) {
+    const Stat other = shfl_xor(s, offset);
+    const bool upper = (threadIdx.x & offset) != 0;
+    s = upper ? combine(other, s) : combine(s, other);
+  }
+  if (lanes > 32) {
+    const int warp = threadIdx.x / 32;
+    if ((threadIdx.x & 31) == 0) scratch[warp] = s;
+    __syncthreads();
+    s = scratch[0];
+    for (int w = 1; w < lanes / 32; ++w) s = combine(s, scratch[w]);
+    __syncthreads();  // scratch may be reused by the next reduction
+  }
+  return s;
+}
+
+constexpr int kMaxRowThreads = 512;   // threads per row of the register paths, and block size of the long path
+
+}  // namespace cuda
+}  // namespace layernorm_ext
