@@ -1,7 +1,7 @@
 // Autograd of every op, in C++ on the Autograd dispatch key, so that a Python call is one dispatcher call; and
 // the functional API's ops, compositions of the forward ops (CompositeImplicitAutograd).
 //
-// Forward ops (NormFunction): run the device kernel below autograd, save what the backward op reads (the
+// Forward ops (NormBackward, record_forward): run the device kernel below autograd, save what the backward op reads (the
 // input, h with a residual, or the output in memory-efficient mode; mean, rstd, weight, bias) and record one
 // node whose backward calls the backward op. The statistics and the empty placeholder of residual_out are
 // returned beside the node, not from it: nothing differentiates them.
@@ -18,17 +18,22 @@
 #include <ATen/FunctionalTensorWrapper.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
+#include <torch/version.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <type_traits>
 
 #include "norm.h"
 
 namespace layernorm_ext {
 namespace {
 
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // ---- which tensor the backward reads ------------------------------------------------------------------------
@@ -136,120 +141,160 @@ c10::SymIntArrayRef trailing_sizes(const Tensor& t, int64_t dims) {
   return sizes.slice(sizes.size() - static_cast<size_t>(dims));
 }
 
-// What a node's backward needs besides its saved tensors, packed into the one int64 of ctx->saved_data that it
-// takes (each entry of that map costs an allocation per call).
+// What a node's backward needs besides its saved tensors.
 struct NodeState {
   bool rms = false, has_residual = false, saved_is_output = false;
-  bool has_offset = false;  // a nonzero weight_offset, kept in ctx->saved_data[kOffset]
   at::ScalarType input_dtype = at::kFloat, residual_dtype = at::kFloat, out_dtype = at::kFloat;
   int64_t dims = 0;  // len(normalized_shape)
-
-  int64_t pack() const {
-    return static_cast<int64_t>(rms) | static_cast<int64_t>(has_residual) << 1 |
-           static_cast<int64_t>(saved_is_output) << 2 | static_cast<int64_t>(has_offset) << 3 |
-           static_cast<int64_t>(input_dtype) << 8 |
-           static_cast<int64_t>(residual_dtype) << 16 | static_cast<int64_t>(out_dtype) << 24 | dims << 32;
-  }
-  static NodeState unpack(int64_t bits) {
-    NodeState s;
-    s.rms = bits & 1;
-    s.has_residual = bits >> 1 & 1;
-    s.saved_is_output = bits >> 2 & 1;
-    s.has_offset = bits >> 3 & 1;
-    s.input_dtype = static_cast<at::ScalarType>(bits >> 8 & 0xff);
-    s.residual_dtype = static_cast<at::ScalarType>(bits >> 16 & 0xff);
-    s.out_dtype = static_cast<at::ScalarType>(bits >> 24 & 0xff);
-    s.dims = bits >> 32;
-    return s;
-  }
+  double weight_offset = 0.0;
 };
-constexpr const char* kState = "state";
-constexpr const char* kOffset = "weight_offset";
 
-// LayerNorm and RMSNorm (rms), with or without a residual: forward args are those of the op's schema, in
-// order (bias and a float eps only for LayerNorm, an optional eps for RMSNorm).
-struct NormFunction : public torch::autograd::Function<NormFunction> {
-  // What the op returns besides the Function's outputs: the statistics, and residual_out's empty placeholder
-  // when there is no residual. They are not outputs of the node (nothing differentiates them), which also keeps
-  // compiled autograd working: it refuses nodes with outputs marked non-differentiable.
-  struct Extras {
-    Tensor residual_out, mean, rstd;
-  };
+// The backward of a forward node: the backward op on the saved tensors (undefined where absent). Gradients in
+// the node's input slots: input, weight, bias, residual.
+variable_list norm_backward(const NodeState& state, const variable_list& grads, const Tensor& saved,
+                            const Tensor& mean, const Tensor& rstd, const Tensor& weight_t, const Tensor& bias_t) {
+  const OptTensor weight = weight_t.defined() ? OptTensor(weight_t) : std::nullopt;
+  const OptTensor bias = bias_t.defined() ? OptTensor(bias_t) : std::nullopt;
+  const c10::SymIntArrayRef normalized_shape = trailing_sizes(saved, state.dims);
+  Tensor grad_out = grads[0];
+  if (!grad_out.defined()) {  // only residual_out was used
+    grad_out = saved.new_zeros_symint(saved.sym_sizes(), saved.options().dtype(state.out_dtype));
+  }
+  const OptTensor grad_residual_out = state.has_residual && grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
+  Tensor grad_h, grad_weight, grad_bias;
+  if (state.rms) {
+    std::tie(grad_h, grad_weight) = rms_norm_bwd_op().call(grad_out, saved, rstd, normalized_shape, weight,
+                                                           state.saved_is_output, grad_residual_out,
+                                                           state.weight_offset);
+  } else {
+    std::tie(grad_h, grad_weight, grad_bias) =
+        layer_norm_bwd_op().call(grad_out, saved, mean, rstd, normalized_shape, weight, bias, state.saved_is_output,
+                                 grad_residual_out, state.weight_offset);
+  }
+  // (cast_before_weight's rounding passes the gradient straight through.)
+  return {grad_h.to(state.input_dtype), weight ? grad_weight : Tensor(), bias ? grad_bias : Tensor(),
+          state.has_residual ? grad_h.to(state.residual_dtype) : Tensor()};
+}
 
-  static variable_list forward(AutogradContext* ctx, const Tensor& input, c10::SymIntArrayRef normalized_shape,
-                               const OptTensor& weight, const OptTensor& bias, std::optional<double> eps,
-                               const OptTensor& residual, bool residual_in_fp32, bool memory_efficient,
-                               double weight_offset, bool cast_before_weight, bool rms, Extras* extras) {
-    Tensor out;
-    {
-      at::AutoDispatchBelowADInplaceOrView below_autograd;
-      if (rms) {
-        std::tie(out, extras->residual_out, extras->rstd) =
-            rms_norm_fwd_op().call(input, normalized_shape, weight, eps, residual, residual_in_fp32,
-                                   memory_efficient, weight_offset, cast_before_weight);
-      } else {
-        std::tie(out, extras->residual_out, extras->mean, extras->rstd) =
-            layer_norm_fwd_op().call(input, normalized_shape, weight, bias, *eps, residual, residual_in_fp32,
-                                     memory_efficient, weight_offset, cast_before_weight);
-      }
-    }
-    const bool has_residual = residual.has_value();
-    const bool saved_is_output =
-        can_save_output(input, weight, bias, memory_efficient, has_residual, weight_offset);
-    const Tensor& saved = saved_is_output ? out : (has_residual ? extras->residual_out : input);
-    ctx->save_for_backward({saved, extras->mean, extras->rstd, weight.value_or(Tensor()), bias.value_or(Tensor())});
-    NodeState state;
-    state.rms = rms;
-    state.has_residual = has_residual;
-    state.saved_is_output = saved_is_output;
-    state.input_dtype = input.scalar_type();
-    state.residual_dtype = has_residual ? residual->scalar_type() : input.scalar_type();
-    state.out_dtype = out.scalar_type();
-    state.dims = static_cast<int64_t>(normalized_shape.size());
-    state.has_offset = weight_offset != 0.0;
-    ctx->saved_data[kState] = state.pack();
-    if (state.has_offset) ctx->saved_data[kOffset] = weight_offset;
-    // An unused output's gradient comes undefined, not as zeros autograd would make (plain tensors even for
-    // DTensor outputs): backward makes only the one the kernel needs.
-    ctx->set_materialize_grads(false);
-    return has_residual ? variable_list{out, extras->residual_out} : variable_list{out};
+// Node pointers are std::shared_ptr in older torch and c10::intrusive_ptr in newer (2.13 on): both are spelled
+// through these two templates (the branch not taken is never instantiated).
+template <class N, class Base = torch::autograd::Node>
+auto make_node() {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, Base>) {
+    return c10::make_intrusive<N>();
+  } else {
+    // deleteNode (found by argument-dependent lookup) frees long chains of nodes without deep recursion.
+    return std::shared_ptr<N>(new N(), [](Base* node) { deleteNode(node); });
+  }
+}
+template <class Base>
+auto self_ptr(Base* node) {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, Base>) {
+    return node->getptr();
+  } else {
+    return node->shared_from_this();
+  }
+}
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 7)
+#define LAYERNORM_EXT_FUNCTIONAL_COMPILED_AUTOGRAD 1
+// Compiled autograd from torch 2.7 on records a C++ node's backward as a call of a "functional" bound to Python:
+// this one, with the saved tensors and the node's state as its arguments (their order: saved, mean, rstd, weight,
+// bias, then NodeState's fields).
+std::vector<c10::IValue> functional_args(const NodeState& s, variable_list saved) {
+  std::vector<c10::IValue> args(saved.begin(), saved.end());
+  for (const bool b : {s.rms, s.has_residual, s.saved_is_output}) args.emplace_back(b);
+  for (const at::ScalarType t : {s.input_dtype, s.residual_dtype, s.out_dtype}) {
+    args.emplace_back(static_cast<int64_t>(t));
+  }
+  args.emplace_back(s.dims);
+  args.emplace_back(s.weight_offset);
+  return args;
+}
+
+variable_list norm_backward_functional(const variable_list& grads, const std::vector<c10::IValue>& args) {
+  NodeState s;
+  s.rms = args[5].toBool();
+  s.has_residual = args[6].toBool();
+  s.saved_is_output = args[7].toBool();
+  s.input_dtype = static_cast<at::ScalarType>(args[8].toInt());
+  s.residual_dtype = static_cast<at::ScalarType>(args[9].toInt());
+  s.out_dtype = static_cast<at::ScalarType>(args[10].toInt());
+  s.dims = args[11].toInt();
+  s.weight_offset = args[12].toDouble();
+  const auto tensor = [&](size_t i) { return args[i].isTensor() ? args[i].toTensor() : Tensor(); };
+  return norm_backward(s, grads, tensor(0), tensor(1), tensor(2), tensor(3), tensor(4));
+}
+#endif
+
+// The node that LayerNorm and RMSNorm, with or without a residual, record: a hand-written torch::autograd::Node,
+// as ATen's generated ones are (torch::autograd::Function's bookkeeping cost about 1 us more per call).
+// Inputs (next edges): input, weight, bias, residual, always in these four slots (absent ones get an empty edge).
+// Outputs: out, and residual_out (h) with a residual; the statistics and residual_out's placeholder are returned
+// beside the node, not from it: nothing differentiates them. An unused output's gradient arrives undefined, not
+// as zeros: backward makes only the one the kernel needs.
+struct NormBackward final : public torch::autograd::Node {
+  torch::autograd::SavedVariable saved_;  // input, h with a residual, or out in memory-efficient mode
+  torch::autograd::SavedVariable mean_, rstd_, weight_, bias_;
+  NodeState state_;
+
+  std::array<torch::autograd::SavedVariable*, 5> saved_variables() {
+    return {&saved_, &mean_, &rstd_, &weight_, &bias_};
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const variable_list saved_tensors = ctx->get_saved_variables();
-    const Tensor& saved = saved_tensors[0];
-    const OptTensor weight = saved_tensors[3].defined() ? OptTensor(saved_tensors[3]) : std::nullopt;
-    const OptTensor bias = saved_tensors[4].defined() ? OptTensor(saved_tensors[4]) : std::nullopt;
-    const NodeState state = NodeState::unpack(ctx->saved_data[kState].toInt());
-    const bool rms = state.rms;
-    const bool has_residual = state.has_residual;
-    const bool saved_is_output = state.saved_is_output;
-    const c10::SymIntArrayRef normalized_shape = trailing_sizes(saved, state.dims);
-    const double weight_offset = state.has_offset ? ctx->saved_data[kOffset].toDouble() : 0.0;
-    Tensor grad_out = grads[0];
-    if (!grad_out.defined()) {  // only residual_out was used
-      grad_out = saved.new_zeros_symint(saved.sym_sizes(),
-                                        saved.options().dtype(state.out_dtype));
-    }
-    const OptTensor grad_residual_out = has_residual && grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
-    Tensor grad_h, grad_weight, grad_bias;
-    if (rms) {
-      std::tie(grad_h, grad_weight) = rms_norm_bwd_op().call(grad_out, saved, saved_tensors[2], normalized_shape,
-                                                             weight, saved_is_output, grad_residual_out,
-                                                             weight_offset);
-    } else {
-      std::tie(grad_h, grad_weight, grad_bias) =
-          layer_norm_bwd_op().call(grad_out, saved, saved_tensors[1], saved_tensors[2], normalized_shape, weight,
-                                   bias, saved_is_output, grad_residual_out, weight_offset);
-    }
-    const Tensor grad_input = grad_h.to(state.input_dtype);
-    const Tensor grad_residual =
-        has_residual ? grad_h.to(state.residual_dtype) : Tensor();
-    // input, normalized_shape, weight, bias, eps, residual, residual_in_fp32, memory_efficient, weight_offset,
-    // cast_before_weight, rms, extras. (cast_before_weight's rounding passes the gradient straight through.)
-    return {grad_input,    Tensor(), weight.has_value() ? grad_weight : Tensor(),
-            bias.has_value() ? grad_bias : Tensor(), Tensor(), grad_residual, Tensor(), Tensor(), Tensor(),
-            Tensor(),      Tensor(), Tensor()};
+  std::string name() const override {
+    return std::string(state_.has_residual ? "Add" : "") + (state_.rms ? "RmsNormBackward" : "LayerNormBackward");
+  }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (torch::autograd::SavedVariable* v : saved_variables()) v->reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return norm_backward(state_, grads, saved_.unpack(self_ptr(static_cast<torch::autograd::Node*>(this))),
+                         mean_.unpack(), rstd_.unpack(), weight_.unpack(), bias_.unpack());
+  }
+
+  // Compiled autograd (torch._dynamo.compiled_autograd): what identifies this node's backward (compiled_args: const
+  // from torch 2.7 on, so both are declared and one overrides), and its backward on the traced graph's values.
+  void collect_args(torch::dynamo::autograd::CompiledNodeArgs& args) const {
+    args.collect(saved_, state_.saved_is_output || state_.has_residual);
+    for (const torch::autograd::SavedVariable* v : {&mean_, &rstd_, &weight_, &bias_}) args.collect(*v, false);
+    for (const bool b : {state_.rms, state_.has_residual, state_.saved_is_output}) args.collect(b);
+    for (const at::ScalarType t : {state_.input_dtype, state_.residual_dtype, state_.out_dtype}) args.collect(t);
+    args.collect(state_.dims);
+    args.collect(state_.weight_offset);
+  }
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const { collect_args(args); }
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) { collect_args(args); }
+
+  variable_list apply_with_saved(const variable_list& grads,
+                                 torch::dynamo::autograd::SwapSavedVariables& saved) override {
+    for (torch::autograd::SavedVariable* v : saved_variables()) saved.before(*v);
+#ifdef LAYERNORM_EXT_FUNCTIONAL_COMPILED_AUTOGRAD
+    variable_list tensors;
+    for (torch::autograd::SavedVariable* v : saved_variables()) tensors.push_back(v->unpack());
+    const std::vector<c10::IValue> args = functional_args(state_, std::move(tensors));
+    std::vector<at::TypePtr> schema;
+    for (const c10::IValue& v : args) schema.push_back(v.isTensor() ? at::TensorType::get() : v.type());
+    const auto& compiler = torch::dynamo::autograd::getPyCompilerInterface();
+    // Bound anew on each compiled-autograd cache miss, under a fresh name (as C++ custom functions are).
+    const std::string fn_name = compiler->bind_function(saved.get_py_compiler(), name(), norm_backward_functional,
+                                                        schema, /*is_custom_function=*/true,
+                                                        /*is_traceable=*/true);
+    const c10::IValue output_metadata =
+        torch::dynamo::autograd::IValuePacker<std::vector<std::optional<torch::autograd::InputMetadata>>>::pack(
+            torch::dynamo::autograd::get_input_metadata(next_edges()));
+    variable_list result = compiler->call_function(saved.get_py_compiler(), "apply_functional", fn_name, grads,
+                                                   args, output_metadata);
+#else
+    // Before 2.7, compiled autograd traces the backward as it runs here, on its proxy tensors.
+    variable_list result = apply(variable_list(grads));
+#endif
+    for (torch::autograd::SavedVariable* v : saved_variables()) saved.after(*v);
+    return result;
   }
 };
 
@@ -262,22 +307,70 @@ bool records_graph(const Tensor& input, const OptTensor& weight, const OptTensor
          (input.requires_grad() || requires_grad(weight) || requires_grad(bias) || requires_grad(residual));
 }
 
+// Forward-mode AD has no formula here: refuse dual tensors rather than drop their tangents.
+void check_no_forward_grad(const char* op, const Tensor& input, const OptTensor& weight, const OptTensor& bias,
+                           const OptTensor& residual) {
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !(torch::autograd::isFwGradDefined(input) || torch::autograd::isFwGradDefined(weight) ||
+        torch::autograd::isFwGradDefined(bias) || torch::autograd::isFwGradDefined(residual)),
+      "Trying to use forward AD with ", op, " that does not support it: layernorm_ext has no forward-mode "
+      "derivative (use torch.nn.functional's norms, or reverse mode)");
+}
+
+// The statistics and residual_out of a forward, with the node recorded on out (and residual_out) when a graph is.
+template <class Forward>
+std::tuple<Tensor, Tensor, Tensor, Tensor> record_forward(const Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                                          const OptTensor& weight, const OptTensor& bias,
+                                                          const OptTensor& residual, bool memory_efficient,
+                                                          double weight_offset, bool rms, const Forward& forward) {
+  check_no_forward_grad(rms ? "rms_norm" : "layer_norm", input, weight, bias, residual);
+  if (!records_graph(input, weight, bias, residual)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return forward();
+  }
+  auto node = make_node<NormBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias, residual));
+  Tensor out, residual_out, mean, rstd;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    std::tie(out, residual_out, mean, rstd) = forward();
+  }
+  const bool has_residual = residual.has_value();
+  const bool saved_is_output = can_save_output(input, weight, bias, memory_efficient, has_residual, weight_offset);
+  torch::autograd::set_history(out, node);
+  if (has_residual) torch::autograd::set_history(residual_out, node);
+  // out and h are this node's outputs (saved without their grad_fn, which is the node); the rest are inputs or
+  // hold no graph.
+  node->saved_ = torch::autograd::SavedVariable(saved_is_output ? out : (has_residual ? residual_out : input),
+                                                /*is_output=*/saved_is_output || has_residual);
+  if (mean.defined()) node->mean_ = torch::autograd::SavedVariable(mean, false);
+  node->rstd_ = torch::autograd::SavedVariable(rstd, false);
+  if (weight.has_value()) node->weight_ = torch::autograd::SavedVariable(*weight, false);
+  if (bias.has_value()) node->bias_ = torch::autograd::SavedVariable(*bias, false);
+  NodeState& state = node->state_;
+  state.rms = rms;
+  state.has_residual = has_residual;
+  state.saved_is_output = saved_is_output;
+  state.input_dtype = input.scalar_type();
+  state.residual_dtype = has_residual ? residual->scalar_type() : input.scalar_type();
+  state.out_dtype = out.scalar_type();
+  state.dims = static_cast<int64_t>(normalized_shape.size());
+  state.weight_offset = weight_offset;
+  return {out, residual_out, mean, rstd};
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_autograd(const Tensor& input,
                                                                c10::SymIntArrayRef normalized_shape,
                                                                const OptTensor& weight, const OptTensor& bias,
                                                                double eps, const OptTensor& residual,
                                                                bool residual_in_fp32, bool memory_efficient,
                                                                double weight_offset, bool cast_before_weight) {
-  if (!records_graph(input, weight, bias, residual)) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return layer_norm_fwd_op().call(input, normalized_shape, weight, bias, eps, residual, residual_in_fp32,
-                                    memory_efficient, weight_offset, cast_before_weight);
-  }
-  NormFunction::Extras extras;
-  const variable_list r =
-      NormFunction::apply(input, normalized_shape, weight, bias, std::optional<double>(eps), residual,
-                          residual_in_fp32, memory_efficient, weight_offset, cast_before_weight, /*rms=*/false, &extras);
-  return {r[0], residual.has_value() ? r[1] : extras.residual_out, extras.mean, extras.rstd};
+  return record_forward(input, normalized_shape, weight, bias, residual, memory_efficient, weight_offset,
+                        /*rms=*/false, [&] {
+                          return layer_norm_fwd_op().call(input, normalized_shape, weight, bias, eps, residual,
+                                                          residual_in_fp32, memory_efficient, weight_offset,
+                                                          cast_before_weight);
+                        });
 }
 
 std::tuple<Tensor, Tensor, Tensor> rms_norm_autograd(const Tensor& input, c10::SymIntArrayRef normalized_shape,
@@ -285,16 +378,14 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_autograd(const Tensor& input, c10::S
                                                      const OptTensor& residual, bool residual_in_fp32,
                                                      bool memory_efficient, double weight_offset,
                                                      bool cast_before_weight) {
-  if (!records_graph(input, weight, std::nullopt, residual)) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return rms_norm_fwd_op().call(input, normalized_shape, weight, eps, residual, residual_in_fp32, memory_efficient,
-                                  weight_offset, cast_before_weight);
-  }
-  NormFunction::Extras extras;
-  const variable_list r =
-      NormFunction::apply(input, normalized_shape, weight, OptTensor(), eps, residual, residual_in_fp32,
-                          memory_efficient, weight_offset, cast_before_weight, /*rms=*/true, &extras);
-  return {r[0], residual.has_value() ? r[1] : extras.residual_out, extras.rstd};
+  const auto r = record_forward(input, normalized_shape, weight, std::nullopt, residual, memory_efficient,
+                                weight_offset, /*rms=*/true, [&] {
+                                  const auto [out, residual_out, rstd] = rms_norm_fwd_op().call(
+                                      input, normalized_shape, weight, eps, residual, residual_in_fp32,
+                                      memory_efficient, weight_offset, cast_before_weight);
+                                  return std::make_tuple(out, residual_out, Tensor(), rstd);
+                                });
+  return {std::get<0>(r), std::get<1>(r), std::get<3>(r)};
 }
 
 // ---- the backward ops ---------------------------------------------------------------------------------------
@@ -497,6 +588,9 @@ void inference_op_autograd(const c10::OperatorHandle& op, torch::jit::Stack* sta
                 ": the inference ops (out=, in place, quantized output) don't support automatic differentiation, but ", arg.name(),
                 " requires grad; call them under torch.no_grad() / torch.inference_mode(), or use the functional "
                 "form without out=");
+    TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(t), "Trying to use forward AD with ", name,
+                                " that does not support it: ", arg.name(), " is a dual tensor, and layernorm_ext "
+                                "has no forward-mode derivative");
     if (arg.alias_info() != nullptr && arg.alias_info()->isWrite()) written.push_back(t);
   }
   {

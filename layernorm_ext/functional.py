@@ -34,9 +34,15 @@ _NUMERICS_DOC = """
 """
 
 
+_SHAPE_TYPES = (tuple, torch.Size, list)
+
+
 def _as_shape(normalized_shape: ShapeLike) -> Sequence[int]:
-    """A single size (int, SymInt while tracing, numpy integer) as a one-dim shape."""
-    return normalized_shape if isinstance(normalized_shape, Sequence) else (normalized_shape,)
+    """A single size (int, SymInt while tracing, numpy integer) as a one-dim shape. (The exact type test first:
+    isinstance against the Sequence ABC costs about 0.2 us per call.)"""
+    if type(normalized_shape) in _SHAPE_TYPES or isinstance(normalized_shape, Sequence):
+        return normalized_shape
+    return (normalized_shape,)
 
 
 def layer_norm(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -276,24 +277,40 @@ def test_export_training_graph_backward(device: str) -> None:
 # ---- compiled autograd --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fn", ["layer_norm", "add_rms_norm"])
-def test_compiled_autograd(fn: str) -> None:
-    """The backward traced by compiled autograd (torch._dynamo.compiled_autograd) gives eager's gradients: our
-    C++ autograd nodes support it (it refuses nodes with outputs marked non-differentiable)."""
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("fn", ["layer_norm", "rms_norm_memory_efficient", "add_layer_norm_h_only", "add_rms_norm"])
+def test_compiled_autograd(fn: str, backend: str) -> None:
+    """The backward traced by compiled autograd (torch._dynamo.compiled_autograd) gives eager's gradients, and its
+    graph holds our node's backward (not an eager fallback): the hand-written node supports compiled autograd."""
     compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+    graphs: list[str] = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable[..., Any]:
+        graphs.append(gm.code)
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
 
     def run(enable: bool) -> list[Tensor]:
         gen = torch.Generator().manual_seed(60)
-        x, r, w = (torch.randn(shape, generator=gen).requires_grad_() for shape in ((4, N), (4, N), (N,)))
+        x, r, w, b = (torch.randn(shape, generator=gen).requires_grad_() for shape in ((4, N), (4, N), (N,), (N,)))
         if fn == "layer_norm":
-            out = layernorm_ext.layer_norm(x, N, w)
+            out = layernorm_ext.layer_norm(x, N, w, b)
+        elif fn == "rms_norm_memory_efficient":
+            out = layernorm_ext.rms_norm(x, N, w, memory_efficient=True)
+        elif fn == "add_layer_norm_h_only":  # only residual_out is used: out's gradient arrives undefined
+            _, out = layernorm_ext.add_layer_norm(x, r, N, w, b)
         else:
             out, h = layernorm_ext.add_rms_norm(x, r, N, w)
             out = out * h
-        context = compiled_autograd._enable(torch.compile(backend="eager")) if enable else contextlib.nullcontext()
+        compiler = torch.compile(backend=recording_backend)
+        context = compiled_autograd._enable(compiler) if enable else contextlib.nullcontext()
         with context:
             (out * out).sum().backward()
-        return [t.grad for t in (x, r, w) if t.grad is not None]
+        return [t.grad for t in (x, r, w, b) if t.grad is not None]
 
-    for got, want in zip(run(True), run(False), strict=True):
-        torch.testing.assert_close(got, want)
+    want = run(False)
+    torch._dynamo.reset()
+    got = run(True)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    assert any("NormBackward" in code or "norm_bwd" in code for code in graphs), graphs

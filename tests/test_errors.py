@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 
 import layernorm_ext
@@ -237,6 +238,36 @@ def test_forward_bad_args_with_requires_grad(kind: str) -> None:
             layer_norm(x, [8], w)
         else:
             rms_norm(x, [8], w)
+
+
+_FORWARD_AD_CALLS: dict[str, Callable[[Tensor, Tensor, Tensor], object]] = {
+    "layer_norm": lambda x, r, w: layer_norm(x, (8,), w),
+    "rms_norm": lambda x, r, w: rms_norm(x, (8,), w),
+    "add_layer_norm": lambda x, r, w: add_layer_norm(x, r, (8,), w),
+    "add_rms_norm": lambda x, r, w: add_rms_norm(x, r, (8,), w),
+    "FusedRMSNorm": lambda x, r, w: layernorm_ext.FusedRMSNorm(8)(x),
+    "layer_norm out=": lambda x, r, w: layer_norm(x, (8,), w, out=torch.empty_like(r)),
+}
+
+
+@pytest.mark.parametrize("call", list(_FORWARD_AD_CALLS))
+@pytest.mark.parametrize("dual", ["input", "residual", "weight"])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_forward_ad_is_refused(call: str, dual: str, requires_grad: bool) -> None:
+    """Forward-mode AD has no formula here: a dual tensor raises NotImplementedError (as ATen's ops without a
+    forward derivative do) instead of an output without its tangent. Also when nothing requires grad, where no
+    node is recorded, and for the inference ops (out=)."""
+    if call.startswith("FusedRMSNorm") and dual != "input":
+        pytest.skip("the module makes its own weight and takes no residual")
+    if dual == "residual" and not call.startswith("add_"):
+        pytest.skip("no residual argument")
+    if requires_grad and call.endswith("out="):
+        pytest.skip("out= refuses arguments that require grad anyway")
+    tensors = {"input": _t(3, 8), "residual": _t(3, 8), "weight": _t(8)}
+    with fwAD.dual_level():
+        tensors[dual] = fwAD.make_dual(tensors[dual].requires_grad_(requires_grad), torch.ones_like(tensors[dual]))
+        with pytest.raises(NotImplementedError, match="forward AD"):
+            _FORWARD_AD_CALLS[call](tensors["input"], tensors["residual"], tensors["weight"])
 
 
 @pytest.mark.parametrize("kind", ["ln", "rms"])
