@@ -4,7 +4,7 @@
 #pragma once
 
 // Platform: the real CUDA toolchain, or (LAYERNORM_EXT_CUDA_EMULATION, tests only) a header that runs these
-// very kernels on the host, one std::thread per CUDA thread (tests/cuda_emulation/cuda_emulation.h). The
+// very kernels on the host, each CUDA thread a fiber on the calling thread (tests/cuda_emulation/cuda_emulation.h). The
 // kernels reach the GPU only through LNX_LAUNCH, LNX_DYNAMIC_SHARED, current_stream() and workspace().
 #ifdef LAYERNORM_EXT_CUDA_EMULATION
 #include "cuda_emulation.h"  // found through the test build's include path
