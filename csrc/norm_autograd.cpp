@@ -16,6 +16,7 @@
 // rstd are no outputs of the forward's node, so no graph path leads from them to the input): such a backward
 // refuses to form second derivatives.
 #include <ATen/FunctionalTensorWrapper.h>
+#include <ATen/FuncTorchTLS.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -327,6 +328,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> record_forward(const Tensor& input, c
   if (!records_graph(input, weight, bias, residual)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return forward();
+  }
+  // torch.func's differentiating transforms (grad, vjp, jacrev) are refused, as torch::autograd::Function refuses
+  // them: functorch drives a hand-written node through each of its levels, and nested derivatives through it
+  // (torch.func.grad of torch.func.grad, or autograd over torch.func.grad) came out twice ATen's.
+  if (const auto& functorch = at::functorch::functorchTLSAccessor()) {
+    try {
+      functorch->checkSupportsCppAutogradFunction();  // raises while a functorch transform is active
+    } catch (const c10::Error&) {
+      TORCH_CHECK(false, rms ? "rms_norm" : "layer_norm",
+                  ": torch.func transforms (grad, vjp, jacrev, vmap over a differentiated call) are not supported "
+                  "by layernorm_ext's autograd; use torch.autograd.grad, or torch.nn.functional's norms inside "
+                  "torch.func");
+    }
   }
   auto node = make_node<NormBackward>();
   node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias, residual));
