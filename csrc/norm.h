@@ -56,19 +56,22 @@ void check_scales_buffer(const char* op, const Tensor& input, bool static_scale,
 void check_no_overlap(const char* op, const char* name, const Tensor& dest, const char* other_name,
                       const Tensor& other);
 
-// ---- statistics nobody reads (norm_ops.cpp) ----
-// While one is alive on a thread, the forward ops called there store no statistics: mean and rstd come back
-// undefined (never to Python: only the functional ops set it, and they drop them). The functional ops (which return the output only) hold one around their forward op when no
-// autograd graph is recorded and every tensor is a plain one (norm_autograd.cpp).
-class StatisticsUnread {
+// ---- outputs nobody reads (norm_ops.cpp) ----
+// While one is alive on a thread, the next forward op called there leaves out what its caller drops unseen:
+// residual_out's empty placeholder (without a residual), and with statistics=true mean and rstd too; they come
+// back undefined (never to Python: only the functional ops set it, and they return the output only). They hold
+// one around their forward op when every tensor is a plain one, with statistics=true when no autograd graph is
+// recorded (norm_autograd.cpp). The first forward op's body that runs takes it (anything that runs later inside
+// the guard, a saved-tensor hook say, gets every output).
+class OutputsUnread {
  public:
-  StatisticsUnread();
-  ~StatisticsUnread();
-  StatisticsUnread(const StatisticsUnread&) = delete;
-  StatisticsUnread& operator=(const StatisticsUnread&) = delete;
+  explicit OutputsUnread(bool statistics);
+  ~OutputsUnread();
+  OutputsUnread(const OutputsUnread&) = delete;
+  OutputsUnread& operator=(const OutputsUnread&) = delete;
 
  private:
-  bool previous_;
+  uint8_t previous_;
 };
 
 // ---- device-independent op bodies (norm_ops.cpp); each device passes its launcher ----

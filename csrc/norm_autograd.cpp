@@ -1,9 +1,9 @@
 // Autograd of every op, in C++ on the Autograd dispatch key, so that a Python call is one dispatcher call; and
 // the functional API's ops, compositions of the forward ops (CompositeImplicitAutograd).
 //
-// Forward ops (NormBackward, record_forward): run the device kernel below autograd, save what the backward op reads (the
-// input, h with a residual, or the output in memory-efficient mode; mean, rstd, weight, bias) and record one
-// node whose backward calls the backward op. The statistics and the empty placeholder of residual_out are
+// Forward ops (record_forward, NormBackward): run the device kernel below autograd, save what the backward op
+// reads (the input, h with a residual, or the output in memory-efficient mode; mean, rstd, weight, bias) and
+// record one node whose backward calls the backward op. The statistics and the empty placeholder of residual_out are
 // returned beside the node, not from it: nothing differentiates them.
 //
 // Backward ops (layer_norm_bwd_autograd, rms_norm_bwd_autograd): without a gradient to form (the usual
@@ -521,31 +521,33 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_autograd(const Tensor& grad_out, const T
   return {with_derivatives(grad_input, f.grad_input), with_derivatives(grad_weight, f.grad_weight)};
 }
 
-// ---- the functional API: the forward ops, less the statistics ------------------------------------------------
+// ---- the functional API: the forward ops, less what they drop ----------------------------------------------
 
-// Whether a functional op's forward may store no statistics: no graph is recorded (so no backward reads them;
-// the op returns the output only), and every tensor is a plain one (values_unreadable: a subclass, DTensor,
-// torch.compile's fake and functional tensors or a Python mode get the forward op's outputs as they expect them).
-bool statistics_go_unread(const Tensor& input, const OptTensor& weight, const OptTensor& bias,
-                          const OptTensor& residual) {
-  if (records_graph(input, weight, bias, residual)) return false;
+// What a functional op's forward call leaves out (OutputsUnread, norm.h): for plain tensors residual_out's
+// placeholder, and with no graph recorded (so no backward reads them; the op returns the output only) the
+// statistics too. Nothing for a subclass, DTensor, torch.compile's fake and functional tensors or a Python mode
+// (values_unreadable): they get the forward op's outputs as they expect them.
+void leave_unread(std::optional<OutputsUnread>& guard, const Tensor& input, const OptTensor& weight,
+                  const OptTensor& bias, const OptTensor& residual) {
   auto plain = [](const OptTensor& t) { return !t.has_value() || !values_unreadable(*t); };
-  return plain(input) && plain(weight) && plain(bias) && plain(residual);
+  if (plain(input) && plain(weight) && plain(bias) && plain(residual)) {
+    guard.emplace(/*statistics=*/!records_graph(input, weight, bias, residual));
+  }
 }
 
 Tensor layer_norm(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                   const OptTensor& bias, double eps, bool memory_efficient, double weight_offset,
                   bool cast_before_weight) {
-  std::optional<StatisticsUnread> unread;
-  if (statistics_go_unread(input, weight, bias, std::nullopt)) unread.emplace();
+  std::optional<OutputsUnread> unread;
+  leave_unread(unread, input, weight, bias, std::nullopt);
   return std::get<0>(layer_norm_fwd_op().call(input, normalized_shape, weight, bias, eps, std::nullopt, false,
                                               memory_efficient, weight_offset, cast_before_weight));
 }
 
 Tensor rms_norm(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                 std::optional<double> eps, bool memory_efficient, double weight_offset, bool cast_before_weight) {
-  std::optional<StatisticsUnread> unread;
-  if (statistics_go_unread(input, weight, std::nullopt, std::nullopt)) unread.emplace();
+  std::optional<OutputsUnread> unread;
+  leave_unread(unread, input, weight, std::nullopt, std::nullopt);
   return std::get<0>(rms_norm_fwd_op().call(input, normalized_shape, weight, eps, std::nullopt, false,
                                             memory_efficient, weight_offset, cast_before_weight));
 }
@@ -554,8 +556,8 @@ std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& input, const Tensor& res
                                           c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                                           const OptTensor& bias, double eps, bool residual_in_fp32,
                                           bool memory_efficient, double weight_offset, bool cast_before_weight) {
-  std::optional<StatisticsUnread> unread;
-  if (statistics_go_unread(input, weight, bias, residual)) unread.emplace();
+  std::optional<OutputsUnread> unread;
+  leave_unread(unread, input, weight, bias, residual);
   const auto r = layer_norm_fwd_op().call(input, normalized_shape, weight, bias, eps, residual, residual_in_fp32,
                                           memory_efficient, weight_offset, cast_before_weight);
   return {std::get<0>(r), std::get<1>(r)};
@@ -565,8 +567,8 @@ std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& input, const Tensor& resid
                                         c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                                         std::optional<double> eps, bool residual_in_fp32, bool memory_efficient,
                                         double weight_offset, bool cast_before_weight) {
-  std::optional<StatisticsUnread> unread;
-  if (statistics_go_unread(input, weight, std::nullopt, residual)) unread.emplace();
+  std::optional<OutputsUnread> unread;
+  leave_unread(unread, input, weight, std::nullopt, residual);
   const auto r = rms_norm_fwd_op().call(input, normalized_shape, weight, eps, residual, residual_in_fp32,
                                         memory_efficient, weight_offset, cast_before_weight);
   return {std::get<0>(r), std::get<1>(r)};
@@ -599,7 +601,8 @@ void inference_op_autograd(const c10::OperatorHandle& op, torch::jit::Stack* sta
     const Tensor& t = first[i].toTensor();
     const c10::Argument& arg = schema.arguments()[i];
     TORCH_CHECK(!(c10::GradMode::is_enabled() && t.requires_grad()), name,
-                ": the inference ops (out=, in place, quantized output) don't support automatic differentiation, but ", arg.name(),
+                ": the inference ops (out=, in place, quantized output) don't support automatic differentiation, but ",
+                arg.name(),
                 " requires grad; call them under torch.no_grad() / torch.inference_mode(), or use the functional "
                 "form without out=");
     TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(t), "Trying to use forward AD with ", name,

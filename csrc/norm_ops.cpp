@@ -4,6 +4,7 @@
 #include "quant_math.h"
 
 #include <limits>
+#include <utility>
 
 namespace layernorm_ext {
 namespace {
@@ -25,7 +26,9 @@ double default_rms_eps(ScalarType acc_type) {
                                         : static_cast<double>(std::numeric_limits<float>::epsilon());
 }
 
-thread_local bool statistics_unread = false;
+// OutputsUnread's flags (norm.h): what the next forward op's body may leave undefined.
+constexpr uint8_t kPlaceholdersUnread = 1, kStatisticsUnread = 2;
+thread_local uint8_t outputs_unread = 0;
 
 struct ForwardResult {
   Tensor out, residual_out, mean, rstd;
@@ -60,6 +63,7 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   const ScalarType h_type = residual_arg.has_value() ? residual_out_dtype(input_arg, *residual_arg, residual_in_fp32)
                                                      : input_arg.scalar_type();
   const ScalarType acc = acc_type_for(h_type);
+  const uint8_t unread = std::exchange(outputs_unread, 0);
   const bool given = dest.out.has_value();
   const QuantRequest* quant = dest.quant;
   if (quant != nullptr) check_quant_args(op, input_arg, quant->dtype, quant->scale, quant->scale_ub, given);
@@ -131,12 +135,12 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     r.out = at::empty(input.sizes(), input.options());
     if (residual.has_value()) {
       r.residual_out = at::empty(input.sizes(), input.options().dtype(h_type));
-    } else if (!statistics_unread) {
+    } else if (!(unread & kPlaceholdersUnread)) {
       r.residual_out = placeholder(input, input.scalar_type());
     }
-    // A functional op's forward without autograd (statistics_unread) gets none, not even placeholders (nor one
-    // for a residual_out without a residual): it drops them unseen, and an undefined tensor costs nothing.
-    if (!statistics_unread) {
+    // A functional op's forward (OutputsUnread) drops the placeholder unseen, and without autograd the statistics
+    // too: an undefined tensor costs nothing.
+    if (!(unread & kStatisticsUnread)) {
       r.rstd = at::empty(g.stat_shape, input.options().dtype(acc));
       if (!rms) r.mean = at::empty(g.stat_shape, input.options().dtype(acc));
     }
@@ -251,8 +255,10 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
 
 }  // namespace
 
-StatisticsUnread::StatisticsUnread() : previous_(statistics_unread) { statistics_unread = true; }
-StatisticsUnread::~StatisticsUnread() { statistics_unread = previous_; }
+OutputsUnread::OutputsUnread(bool statistics) : previous_(outputs_unread) {
+  outputs_unread = kPlaceholdersUnread | (statistics ? kStatisticsUnread : 0);
+}
+OutputsUnread::~OutputsUnread() { outputs_unread = previous_; }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& input, c10::SymIntArrayRef normalized_shape,
                                                           const OptTensor& weight, const OptTensor& bias,
