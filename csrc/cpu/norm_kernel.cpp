@@ -1,7 +1,7 @@
 // CPU orchestration: picks the instruction set once, resolves dtypes to row kernels (rows_impl.h, compiled
 // per ISA), and spreads rows over threads with at::parallel_for.
 //
-// Forward: rows split across threads, one thread per row (rows_impl.h has the per-row passes); a few long
+// Forward: rows split across threads, one thread per row (rows_forward.h has the per-row passes); a few long
 // rows (M = 1, N = 2^20) are instead split into column ranges, each pass over the ranges in parallel and
 // the ranges' sums added in order.
 // Backward: rows grouped into a fixed number of chunks (it depends on rows and cols only, never on the thread

@@ -76,7 +76,7 @@ using BackwardRowsFn = void (*)(const BackwardRows& a, int64_t begin, int64_t en
 
 // One long row split into column ranges [c0, c1) across threads; the orchestration adds the ranges' sums in
 // order. Forward: sums about center over src elements [begin, end): {sum(x - c), sum((x - c)^2)}; then
-// normalize a range given the row's mean and rstd. Backward: the range's three sums (rows_impl.h,
+// normalize a range given the row's mean and rstd. Backward: the range's three sums (rows_backward.h,
 // BackwardRow); then, given the whole row's sums, dx and the dweight/dbias terms (indexed by column).
 using SegmentSumsFn = void (*)(const void* src, int64_t begin, int64_t end, double center, double* sums);
 using SegmentNormalizeFn = void (*)(const ForwardRows& a, int64_t row, int64_t c0, int64_t c1, double mean,

@@ -1,0 +1,396 @@
+// The backward row kernels (a part of rows_impl.h, after rows_simd.h): BackwardRow (one row over a column
+// range), and the grouped rows of backward_rows: each row's sums, then dx and the dweight / dbias terms.
+#ifndef LNX_ROWS_IMPL
+#error "rows_backward.h is a part of rows_impl.h: include that (as rows_<isa>.cpp do)"
+#endif
+
+namespace layernorm_ext {
+namespace cpu {
+namespace LNX_ISA_NS {
+namespace {
+
+// ---- backward -----------------------------------------------------------------------------------------------
+// With xhat the normalized row and g = dy * weight:
+//   LayerNorm: dx = rstd * (g - mean(g) - xhat * mean(g * xhat));  RMSNorm: dx = rstd * (g - xhat * mean(g * xhat))
+//   dweight += dy * xhat, dbias += dy.
+// dst[0, count) += v (count <= lanes of C).
+template <class C>
+inline void add_into(C* dst, int64_t count, Vec<C> v) {
+  store_at<C>(dst, 0, count, load_at<C>(dst, 0, count) + v);
+}
+
+// One row's backward over a range of its columns [c0, c1), so that the orchestration can also split a long
+// row across threads (the sums of the ranges are then added in order). C is the compute type: float, or
+// double for float64 rows and for rows of a few vectors, whose gradient (for N = 1 it is proportional to
+// 1 - xhat^2) cancels too much for float.
+// xhat comes from the forward's mean m (as stored) and a correction: with d = x - m, exact near the mean,
+// delta = mean(d) and xhat = (d - delta) * rstd, so sum(g * xhat) = rstd * (sum(g * d) - delta * sum(g)).
+// In memory-efficient mode xhat = (out - bias) / weight.
+template <class S, class G, class C>
+struct BackwardRow {
+  static constexpr int64_t L = kLanes<C>;
+  const C* weight;
+  const C* bias;
+  const S* saved;
+  const G* dy;
+  const S* grad_residual;
+  S* dx;
+  double rstd;
+  double center;  // the stored mean for LayerNorm from the input; 0 otherwise
+  bool saved_is_output;
+
+  BackwardRow(const BackwardRows& a, int64_t row, const C* weight_c, const C* bias_c)
+      : weight(weight_c),
+        bias(bias_c),
+        saved(static_cast<const S*>(a.saved) + row * a.cols),
+        dy(static_cast<const G*>(a.grad_out) + row * a.cols),
+        grad_residual(a.grad_residual_out != nullptr ? static_cast<const S*>(a.grad_residual_out) + row * a.cols
+                                                     : nullptr),
+        dx(static_cast<S*>(a.grad_input) + row * a.cols),
+        rstd(stat(a.rstd, a.stats_double, row)),
+        center(a.rms || a.saved_is_output ? 0.0 : stat(a.mean, a.stats_double, row)),
+        saved_is_output(a.saved_is_output) {}
+
+  static double stat(const void* values, bool is_double, int64_t row) {
+    return is_double ? static_cast<const double*>(values)[row]
+                     : static_cast<double>(static_cast<const float*>(values)[row]);
+  }
+
+  // d = saved - center, or (memory-efficient) xhat itself.
+  Vec<C> centered_at(int64_t j, int64_t count, const Vec<C>& center_v) const {
+    const Vec<C> x = load_at<C>(saved, j, count);
+    if (!saved_is_output) return x - center_v;
+    const Vec<C> shifted = bias != nullptr ? x - load_at<C>(bias, j, count) : x;  // out = xhat * weight + bias
+    return weight != nullptr ? shifted / load_at<C>(weight, j, count) : shifted;
+  }
+
+  Vec<C> g_at(const Vec<C>& dy_v, int64_t j, int64_t count) const {
+    return weight != nullptr ? dy_v * load_at<C>(weight, j, count) : dy_v;
+  }
+
+  // {sum of g, sum of g * d, sum of d} over [c0, c1).
+  Array<double, 3> sums(int64_t c0, int64_t c1) const {
+    const Vec<C> center_v = broadcast<C>(static_cast<C>(center));
+    return row_sums_k<C, 3>(c1 - c0, [&](int64_t j, int64_t count) {
+      const Vec<C> g = g_at(load_at<C>(dy, c0 + j, count), c0 + j, count);
+      const Vec<C> d = centered_at(c0 + j, count, center_v);
+      return Array<Vec<C>, 3>{g, g * d, d};
+    });
+  }
+
+  // dx over [c0, c1), and dweight / dbias (indexed by column) += this row's terms. delta = mean(d) (0 in
+  // memory-efficient mode and for RMSNorm), mean_g = mean(g) (0 for RMSNorm), mean_gx = mean(g * xhat).
+  void apply(int64_t c0, int64_t c1, double delta, double mean_g, double mean_gx, C* dweight, C* dbias) const {
+    const Vec<C> center_v = broadcast<C>(static_cast<C>(center)), delta_v = broadcast<C>(static_cast<C>(delta));
+    const Vec<C> rstd_v = broadcast<C>(static_cast<C>(saved_is_output ? 1.0 : rstd));
+    const Vec<C> grad_scale = broadcast<C>(static_cast<C>(rstd));
+    const Vec<C> mean_g_v = broadcast<C>(static_cast<C>(mean_g)), mean_gx_v = broadcast<C>(static_cast<C>(mean_gx));
+    auto step = [&](int64_t j, int64_t count) {
+      const Vec<C> dy_v = load_at<C>(dy, j, count);
+      const Vec<C> xhat = (centered_at(j, count, center_v) - delta_v) * rstd_v;
+      Vec<C> grad = (g_at(dy_v, j, count) - mean_g_v - xhat * mean_gx_v) * grad_scale;
+      if (grad_residual != nullptr) grad = grad + load_at<C>(grad_residual, j, count);
+      store_at<C>(dx, j, count, grad);
+      if (dweight != nullptr) add_into<C>(dweight + j, count, dy_v * xhat);
+      if (dbias != nullptr) add_into<C>(dbias + j, count, dy_v);
+    };
+    int64_t j = c0;
+    for (; j + L <= c1; j += L) step(j, L);
+    if (j < c1) step(j, c1 - j);
+  }
+};
+
+// The row's coefficients from its sums {sum g, sum g * d, sum d} (see BackwardRow).
+struct BackwardCoefficients {
+  double delta, mean_g, mean_gx;
+};
+
+inline BackwardCoefficients backward_coefficients(const BackwardRows& a, double rstd, const Array<double, 3>& s) {
+  const double inv_n = 1.0 / static_cast<double>(a.cols);
+  const double delta = (a.rms || a.saved_is_output) ? 0.0 : s[2] * inv_n;
+  // sum(g * xhat) = rstd * (sum(g * d) - delta * sum(g)); in memory-efficient mode d is xhat itself.
+  const double sum_gx = a.saved_is_output ? s[1] : rstd * (s[1] - delta * s[0]);
+  return {delta, a.rms ? 0.0 : s[0] * inv_n, sum_gx * inv_n};
+}
+
+template <class C>
+const C* param_as(const BackwardRows& a, bool bias) {
+  if constexpr (std::is_same_v<C, double>) {
+    return bias ? a.bias : a.weight;
+  } else {
+    return bias ? a.bias_f : a.weight_f;
+  }
+}
+
+// Float math unless backward_computes_in_float (row_kernels.h) says no.
+template <class S, class G>
+constexpr bool kFloatCapable = !std::is_same_v<S, double> && !std::is_same_v<G, double>;
+
+template <class S, class G>
+bool use_float(int64_t cols) {
+  return backward_computes_in_float(std::is_same_v<S, double>, std::is_same_v<G, double>, cols);
+}
+
+// Rows in groups of up to kRowGroup (fewer for long rows: a group's input and dy stay within
+// kRowGroupBytes, about a quarter of L2): first each row's sums (reading it from memory), then dx and
+// dweight/dbias vector by vector across the group's rows (re-read from cache): each column vector's
+// dweight / dbias terms of the group's rows are summed in registers, then added into the partial sums once.
+constexpr int64_t kRowGroup = 8;
+constexpr int64_t kRowGroupBytes = 512 * 1024;
+constexpr int64_t kColumnBlock = 2048;
+
+// Per row of a group, the constants of its dx and xhat (see apply_group).
+template <class C>
+struct GroupRowConstants {
+  C center, xscale, xoffset, gscale, goffset, gx, mean_g, mean_gx;
+};
+
+// dx over columns [j, j + cnt) of R rows of a group, and the sums over these rows of the dweight / dbias
+// terms added into dw / db. kSavedOut: xhat is recovered from the output (memory-efficient mode). Every row's
+// inputs are loaded before any dx is stored: rows a power of two of bytes apart would otherwise make the
+// loads wait on the stores (4K aliasing).
+template <int R, bool kSavedOut, bool kResidual, class S, class G, class C>
+inline void rows_step(int64_t j, int64_t cnt, const C* weight, const C* bias, const S* const* saved,
+                      const G* const* dy, const S* const* residual, S* const* dx, const GroupRowConstants<C>* k,
+                      Vec<C>& dw, Vec<C>& db) {
+  const Vec<C> w_v = weight != nullptr ? load_at<C>(weight, j, cnt) : broadcast<C>(C(1));
+  Vec<C> dy_v[R], x_v[R], r_v[R];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+    dy_v[i] = load_at<C>(dy[i], j, cnt);
+    x_v[i] = load_at<C>(saved[i], j, cnt);
+    if constexpr (kResidual) r_v[i] = load_at<C>(residual[i], j, cnt);
+  }
+  Vec<C> b_v = Vec<C>{};
+  if constexpr (kSavedOut) {
+    if (bias != nullptr) b_v = load_at<C>(bias, j, cnt);
+  }
+  Vec<C> grad[R];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+    Vec<C> d;
+    if constexpr (kSavedOut) {
+      d = (x_v[i] - b_v) / w_v;  // out = xhat * weight + bias
+    } else {
+      d = x_v[i] - broadcast<C>(k[i].center);
+    }
+    const Vec<C> xhat = d * broadcast<C>(k[i].xscale) + broadcast<C>(k[i].xoffset);
+    const Vec<C> g = dy_v[i] * w_v;
+    if constexpr (std::is_same_v<C, double>) {
+      // Rows of a few vectors (and float64): g - mean(g) first, which cancels exactly where g is constant.
+      grad[i] = (g - broadcast<C>(k[i].mean_g) - xhat * broadcast<C>(k[i].mean_gx)) * broadcast<C>(k[i].gscale);
+    } else {
+      grad[i] = g * broadcast<C>(k[i].gscale) + broadcast<C>(k[i].goffset) - xhat * broadcast<C>(k[i].gx);
+    }
+    if constexpr (kResidual) grad[i] = grad[i] + r_v[i];
+    dw = dw + dy_v[i] * xhat;
+    db = db + dy_v[i];
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) store_at<C>(dx[i], j, cnt, grad[i]);
+}
+
+// dx of R rows over columns [c0, c1), and dweight / dbias += the sum of their terms (one read-modify-write
+// per vector for the R rows).
+template <int R, bool kSavedOut, bool kResidual, class S, class G, class C>
+void rows_block(int64_t c0, int64_t c1, const C* weight, const C* bias, const S* const* saved, const G* const* dy,
+                const S* const* residual, S* const* dx, const GroupRowConstants<C>* k, C* dweight, C* dbias) {
+  constexpr int64_t L = kLanes<C>;
+  auto step = [&](int64_t j, int64_t cnt) {
+    Vec<C> dw = Vec<C>{}, db = Vec<C>{};
+    rows_step<R, kSavedOut, kResidual>(j, cnt, weight, bias, saved, dy, residual, dx, k, dw, db);
+    if (dweight != nullptr) add_into<C>(dweight + j, cnt, dw);
+    if (dbias != nullptr) add_into<C>(dbias + j, cnt, db);
+  };
+  int64_t j = c0;
+  for (; j + L <= c1; j += L) step(j, L);
+  if (j < c1) step(j, c1 - j);
+}
+
+// dx of rows [first, first + count), and dweight / dbias += their terms: column block by column block (the
+// block of the partial sums stays in L1), rows two at a time within a block (four were slower: more streams
+// of rows a power of two apart meet in one L1 set).
+// Per row, with s = rstd: xhat = (x - center) * s - delta * s (memory-efficient: the recovered xhat, scale 1),
+// and in float dx = g * s - mean_g * s - xhat * (mean_gx * s): two FMAs after g (in double, as BackwardRow).
+template <bool kSavedOut, bool kResidual, class S, class G, class C>
+void apply_group_as(const BackwardRows& a, int64_t first, int64_t count, const C* weight, const C* bias,
+                    const BackwardCoefficients* coefficients, C* dweight, C* dbias) {
+  const int64_t n = a.cols;
+  const S* saved[kRowGroup];
+  const G* dy[kRowGroup];
+  const S* residual[kRowGroup];
+  S* dx[kRowGroup];
+  GroupRowConstants<C> k[kRowGroup];
+  for (int64_t i = 0; i < count; ++i) {
+    const BackwardRow<S, G, C> r(a, first + i, weight, bias);
+    const BackwardCoefficients& c = coefficients[i];
+    saved[i] = r.saved;
+    dy[i] = r.dy;
+    residual[i] = r.grad_residual;
+    dx[i] = r.dx;
+    const double xs = kSavedOut ? 1.0 : r.rstd;
+    k[i] = {static_cast<C>(r.center),           static_cast<C>(xs),
+            static_cast<C>(-c.delta * xs),      static_cast<C>(r.rstd),
+            static_cast<C>(-c.mean_g * r.rstd), static_cast<C>(c.mean_gx * r.rstd),
+            static_cast<C>(c.mean_g),           static_cast<C>(c.mean_gx)};
+  }
+  for (int64_t c0 = 0; c0 < n; c0 += kColumnBlock) {
+    const int64_t c1 = min64(n, c0 + kColumnBlock);
+    int64_t i = 0;
+    for (; i + 2 <= count; i += 2) {
+      rows_block<2, kSavedOut, kResidual>(c0, c1, weight, bias, saved + i, dy + i, residual + i, dx + i, k + i,
+                                          dweight, dbias);
+    }
+    if (i < count) {
+      rows_block<1, kSavedOut, kResidual>(c0, c1, weight, bias, saved + i, dy + i, residual + i, dx + i, k + i,
+                                          dweight, dbias);
+    }
+  }
+}
+
+template <class S, class G, class C>
+void apply_group(const BackwardRows& a, int64_t first, int64_t count, const C* weight, const C* bias,
+                 const BackwardCoefficients* coefficients, C* dweight, C* dbias) {
+  auto run = [&](auto saved_out_tag, auto residual_tag) {
+    apply_group_as<decltype(saved_out_tag)::value, decltype(residual_tag)::value, S, G, C>(
+        a, first, count, weight, bias, coefficients, dweight, dbias);
+  };
+  const bool residual = a.grad_residual_out != nullptr;
+  if (a.saved_is_output) {
+    if (residual) {
+      run(std::true_type{}, std::true_type{});
+    } else {
+      run(std::true_type{}, std::false_type{});
+    }
+  } else if (residual) {
+    run(std::false_type{}, std::true_type{});
+  } else {
+    run(std::false_type{}, std::false_type{});
+  }
+}
+
+// The sums {g, g * d, d} (BackwardRow::sums) of R rows at once over their n columns: the weight read once for
+// the R rows, two columns vectors per step, one float accumulator per sum, row and column parity, flushed
+// into double vectors every kFlushVectors vectors.
+template <int R, bool kWeight, bool kSavedOut, class S, class G, class C>
+void rows_sums(int64_t n, const C* weight, const C* bias, const S* const* saved, const G* const* dy,
+               const C* center, Array<double, 3>* out) {
+  constexpr int64_t L = kLanes<C>;
+  const int64_t full = n - n % L;
+  Vec<double> total[R][3] = {};
+  auto term = [&](int64_t j, int64_t cnt, Vec<C> (&acc)[R][3]) {
+    Vec<C> w_v = broadcast<C>(C(1)), b_v = Vec<C>{};
+    if constexpr (kWeight) w_v = load_at<C>(weight, j, cnt);
+    if constexpr (kSavedOut) {
+      if (bias != nullptr) b_v = load_at<C>(bias, j, cnt);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const Vec<C> dy_v = load_at<C>(dy[i], j, cnt);
+      const Vec<C> x = load_at<C>(saved[i], j, cnt);
+      Vec<C> d;
+      if constexpr (kSavedOut) {
+        d = x - b_v;  // out = xhat * weight + bias
+        if constexpr (kWeight) d = d / w_v;
+      } else {
+        d = x - broadcast<C>(center[i]);
+      }
+      const Vec<C> g = kWeight ? dy_v * w_v : dy_v;
+      acc[i][0] += g;
+      acc[i][1] += g * d;
+      acc[i][2] += d;
+    }
+  };
+  for (int64_t start = 0; start < full; start += kFlushVectors * L) {
+    const int64_t stop = min64(full, start + kFlushVectors * L);
+    Vec<C> acc0[R][3] = {}, acc1[R][3] = {};
+    int64_t j = start;
+    for (; j + 2 * L <= stop; j += 2 * L) {
+      term(j, L, acc0);
+      term(j + L, L, acc1);
+    }
+    if (j < stop) term(j, L, acc0);
+    for (int i = 0; i < R; ++i) {
+      for (int k = 0; k < 3; ++k) total[i][k] += widen<C>(acc0[i][k] + acc1[i][k]);
+    }
+  }
+  if (full < n) {
+    Vec<C> acc[R][3] = {};
+    term(full, n - full, acc);  // the padding lanes: loaded as 0, but d = -center there
+    for (int i = 0; i < R; ++i) {
+      for (int k = 0; k < 3; ++k) total[i][k] += widen<C>(keep_first<C>(acc[i][k], n - full));
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int k = 0; k < 3; ++k) out[i][k] = horizontal_sum(total[i][k]);
+  }
+}
+
+// The sums of rows [first, first + count), two rows at a time.
+template <class S, class G, class C>
+void group_sums(const BackwardRows& a, int64_t first, int64_t count, const C* weight, const C* bias,
+                Array<double, 3>* out) {
+  const S* saved[kRowGroup];
+  const G* dy[kRowGroup];
+  C center[kRowGroup];
+  for (int64_t i = 0; i < count; ++i) {
+    const BackwardRow<S, G, C> r(a, first + i, weight, bias);
+    saved[i] = r.saved;
+    dy[i] = r.dy;
+    center[i] = static_cast<C>(r.center);
+  }
+  auto run = [&](auto weight_tag, auto saved_out_tag) {
+    constexpr bool kWeight = decltype(weight_tag)::value, kSavedOut = decltype(saved_out_tag)::value;
+    int64_t i = 0;
+    for (; i + 2 <= count; i += 2) {
+      rows_sums<2, kWeight, kSavedOut>(a.cols, weight, bias, saved + i, dy + i, center + i, out + i);
+    }
+    if (i < count) rows_sums<1, kWeight, kSavedOut>(a.cols, weight, bias, saved + i, dy + i, center + i, out + i);
+  };
+  auto with_saved = [&](auto weight_tag) {
+    if (a.saved_is_output) {
+      run(weight_tag, std::true_type{});
+    } else {
+      run(weight_tag, std::false_type{});
+    }
+  };
+  if (weight != nullptr) {
+    with_saved(std::true_type{});
+  } else {
+    with_saved(std::false_type{});
+  }
+}
+
+template <class S, class G, class C>
+void backward_rows_as(const BackwardRows& a, int64_t begin, int64_t end, C* dweight, C* dbias) {
+  const C* weight = param_as<C>(a, false);
+  const C* bias = param_as<C>(a, true);
+  const int64_t n = a.cols;
+  const int64_t row_bytes = n * static_cast<int64_t>(sizeof(S) + sizeof(G));
+  const int64_t group = row_bytes >= kRowGroupBytes ? 1 : min64(kRowGroup, kRowGroupBytes / row_bytes);
+  for (int64_t first = begin; first < end; first += group) {
+    const int64_t count = min64(group, end - first);
+    BackwardCoefficients coefficients[kRowGroup];
+    Array<double, 3> sums[kRowGroup];
+    group_sums<S, G, C>(a, first, count, weight, bias, sums);
+    for (int64_t i = 0; i < count; ++i) {
+      coefficients[i] = backward_coefficients(a, BackwardRow<S, G, C>::stat(a.rstd, a.stats_double, first + i), sums[i]);
+    }
+    apply_group<S, G, C>(a, first, count, weight, bias, coefficients, dweight, dbias);
+  }
+}
+
+template <class S, class G>
+void backward_rows(const BackwardRows& a, int64_t begin, int64_t end, void* dweight, void* dbias) {
+  if constexpr (kFloatCapable<S, G>) {
+    if (use_float<S, G>(a.cols)) {
+      return backward_rows_as<S, G, float>(a, begin, end, static_cast<float*>(dweight), static_cast<float*>(dbias));
+    }
+  }
+  backward_rows_as<S, G, double>(a, begin, end, static_cast<double*>(dweight), static_cast<double*>(dbias));
+}
+
+}  // namespace
+}  // namespace LNX_ISA_NS
+}  // namespace cpu
+}  // namespace layernorm_ext

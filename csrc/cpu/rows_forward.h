@@ -1,0 +1,247 @@
+// The forward row kernels (a part of rows_impl.h, after rows_simd.h): h = x + r, the per-row statistics
+// and normalization (forward_rows), and the quantized output's lane-wise encoders.
+#ifndef LNX_ROWS_IMPL
+#error "rows_forward.h is a part of rows_impl.h: include that (as rows_<isa>.cpp do)"
+#endif
+
+namespace layernorm_ext {
+namespace cpu {
+namespace LNX_ISA_NS {
+namespace {
+
+// ---- h = x + r ----------------------------------------------------------------------------------------------
+template <class X, class R, class H>
+void add_row(const void* x_ptr, const void* r_ptr, void* h_ptr, int64_t offset, int64_t n) {
+  using C = ComputeOf<H>;
+  constexpr int64_t L = kLanes<C>;
+  const X* x = static_cast<const X*>(x_ptr) + offset;
+  const R* r = static_cast<const R*>(r_ptr) + offset;
+  H* h = static_cast<H*>(h_ptr) + offset;
+  for (int64_t j = 0; j < n; j += L) {
+    const int64_t count = min64(L, n - j);
+    store_at<C>(h, j, count, load_at<C>(x, j, count) + load_at<C>(r, j, count));
+  }
+}
+
+// ---- forward ------------------------------------------------------------------------------------------------
+// LayerNorm's one-pass variance about a shift s loses (mean - s)^2 / var relative precision: above this
+// ratio the sums are taken again about the mean.
+constexpr double kMaxShiftSq = 0.25;
+
+// out = xhat * weight + bias over one row, xhat = (x - hi) * rstd - lo * rstd (LayerNorm) or x * rstd (RMSNorm);
+// the flags are template arguments so that the loop has no branch but the tail. round_first (cast_before_weight,
+// only with a weight) rounds xhat to Y before the affine; for a Y of the compute type that is no rounding at all.
+template <bool kRms, bool kWeight, bool kBias, class C, class S, class Y>
+inline void normalize_row(const S* src, Y* out, const C* weight, const C* bias, int64_t n, C hi, C lo, C rstd,
+                          bool round_first) {
+  constexpr int64_t L = kLanes<C>;
+  const Vec<C> hi_v = broadcast<C>(hi), lo_scaled = broadcast<C>(lo * rstd), scale = broadcast<C>(rstd);
+  auto normalize = [&](Vec<C> x, int64_t j, int64_t count, auto round_tag) {
+    Vec<C> y;
+    if constexpr (kRms) {
+      y = x * scale;
+    } else {
+      y = (x - hi_v) * scale - lo_scaled;  // x - hi is exact near the mean; lo * rstd is the small rest
+    }
+    if constexpr (decltype(round_tag)::value) {
+      Y rounded[L];
+      store<C>(rounded, y);
+      y = load<C>(rounded);
+    }
+    if constexpr (kWeight) y = y * load_at<C>(weight, j, count);
+    if constexpr (kBias) y = y + load_at<C>(bias, j, count);
+    return y;
+  };
+  auto run = [&](auto round_tag) {
+    int64_t j = 0;
+    for (; j + L <= n; j += L) store<C>(out + j, normalize(load<C>(src + j), j, L, round_tag));
+    if (j < n) store_part<C>(out + j, normalize(load_part<C>(src + j, n - j), j, n - j, round_tag), n - j);
+  };
+  if constexpr (kWeight && !std::is_same_v<C, Y>) {
+    if (round_first) return run(std::true_type{});
+  }
+  run(std::false_type{});
+}
+
+// normalize_row with the flags of this call.
+template <class C, class S, class Y>
+inline void normalize(bool rms, const S* src, Y* out, const C* weight, const C* bias, int64_t n, C hi, C lo, C rstd,
+                      bool round_first) {
+  if (rms) {
+    if (weight != nullptr) {
+      normalize_row<true, true, false>(src, out, weight, bias, n, hi, lo, rstd, round_first);
+    } else {
+      normalize_row<true, false, false>(src, out, weight, bias, n, hi, lo, rstd, round_first);
+    }
+  } else if (weight != nullptr && bias != nullptr) {
+    normalize_row<false, true, true>(src, out, weight, bias, n, hi, lo, rstd, round_first);
+  } else if (weight != nullptr) {
+    normalize_row<false, true, false>(src, out, weight, bias, n, hi, lo, rstd, round_first);
+  } else if (bias != nullptr) {
+    normalize_row<false, false, true>(src, out, weight, bias, n, hi, lo, rstd, round_first);
+  } else {
+    normalize_row<false, false, false>(src, out, weight, bias, n, hi, lo, rstd, round_first);
+  }
+}
+
+// ---- quantized output (quant_math.h has the arithmetic; these are its lane-wise twins) ----------------------
+using FloatVec = Vec<float>;
+using BitsVec = typename U32N<kFloatLanes>::type;
+typedef uint8_t CodeVec __attribute__((vector_size(kFloatLanes)));
+typedef int32_t IntVec __attribute__((vector_size(kFloatLanes * 4)));
+
+inline BitsVec bits_of(FloatVec v) { return (BitsVec)v; }  // a vector cast keeps the bits
+inline FloatVec floats_of(BitsVec v) { return (FloatVec)v; }
+
+// quant::to_e4m3fn on every lane.
+inline CodeVec encode_e4m3fn(FloatVec v) {
+  const FloatVec top = broadcast<float>(quant::kFp8Max), bottom = broadcast<float>(-quant::kFp8Max);
+  v = v > top ? top : v;  // NaN lanes compare false both times and pass
+  v = v < bottom ? bottom : v;
+  const BitsVec x = bits_of(v);
+  const BitsVec sign = (x >> 24) & 0x80u;
+  const BitsVec ax = x & 0x7fffffffu;
+  const BitsVec normal = ((ax + 0x7ffffu + ((ax >> 20) & 1u)) >> 20) - (120u << 3);
+  const BitsVec subnormal = bits_of(floats_of(ax) * 512.0f + 8388608.0f) - 0x4b000000u;
+  BitsVec magnitude = ax >= 0x3c800000u ? normal : subnormal;
+  magnitude = ax > 0x7f800000u ? BitsVec{} + 0x7fu : magnitude;
+  return __builtin_convertvector(sign | magnitude, CodeVec);
+}
+
+// quant::to_int8 on every lane (as bytes).
+inline CodeVec encode_int8(FloatVec v) {
+  v = v != v ? FloatVec{} : v;
+  const FloatVec top = broadcast<float>(quant::kInt8Max), bottom = broadcast<float>(-128.0f);
+  v = v > top ? top : v;
+  v = v < bottom ? bottom : v;
+  const FloatVec rounded = (v + 12582912.0f) - 12582912.0f;
+  return __builtin_convertvector(__builtin_convertvector(rounded, IntVec), CodeVec);
+}
+
+// The quantized output of one normalized row y (out's dtype Y): the row's scale (static, or from its absmax,
+// stored), then the codes, a vector of floats at a time (the tail padded with zeros, which change no absmax).
+template <class Y, CodeVec (*kEncode)(FloatVec)>
+inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64_t n) {
+  constexpr int64_t L = kFloatLanes;
+  auto floats_at = [&](int64_t j, int64_t count) -> FloatVec {  // y[j, j + count) as floats
+    if constexpr (std::is_same_v<Y, double>) {
+      float lanes[L] = {};
+      for (int64_t i = 0; i < count; ++i) lanes[i] = static_cast<float>(y[j + i]);
+      FloatVec v;
+      std::memcpy(&v, lanes, sizeof(v));
+      return v;
+    } else {
+      return count == L ? load<float>(y + j) : load_part<float>(y + j, count);
+    }
+  };
+  float inv_scale;
+  if (a.scale != nullptr) {
+    inv_scale = 1.0f / *a.scale;
+  } else {
+    FloatVec absmax{};
+    for (int64_t j = 0; j < n; j += L) {
+      const FloatVec v = floats_of(bits_of(floats_at(j, min64(L, n - j))) & 0x7fffffffu);
+      absmax = (v > absmax) | (v != v) ? v : absmax;  // NaN wins, as quant::nan_max
+    }
+    float lanes[L];
+    std::memcpy(lanes, &absmax, sizeof(lanes));
+    float m = 0.0f;
+    for (int64_t i = 0; i < L; ++i) m = quant::nan_max(m, lanes[i]);
+    const float scale = quant::dynamic_scale(m, a.scale_ub, a.quant_int8);
+    a.row_scales[row] = scale;
+    inv_scale = 1.0f / scale;
+  }
+  uint8_t* codes = static_cast<uint8_t*>(a.codes) + row * n;
+  const FloatVec inv = broadcast<float>(inv_scale);
+  int64_t j = 0;
+  for (; j + L <= n; j += L) {
+    const CodeVec c = kEncode(floats_at(j, L) * inv);
+    std::memcpy(codes + j, &c, L);
+  }
+  if (j < n) {
+    const CodeVec c = kEncode(floats_at(j, n - j) * inv);
+    std::memcpy(codes + j, &c, static_cast<size_t>(n - j));
+  }
+}
+
+template <class Y>
+inline void quantize_row(const ForwardRows& a, int64_t row, const Y* y, int64_t n) {
+  if (a.quant_int8) return quantize_row_as<Y, &encode_int8>(a, row, y, n);
+  quantize_row_as<Y, &encode_e4m3fn>(a, row, y, n);
+}
+
+template <class S, class Y>
+void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
+  using C = ComputeOf<S>;
+  constexpr int64_t L = kLanes<C>;
+  // Every field read once: the stores below could alias `a` as far as the compiler knows.
+  const int64_t n = a.cols;
+  const C* weight = static_cast<const C*>(a.weight);
+  const C* bias = static_cast<const C*>(a.bias);
+  const bool rms = a.rms;
+  const bool round_first = a.cast_before_weight;
+  const double eps = a.eps;
+  C* mean_out = static_cast<C*>(a.mean);
+  C* rstd_out = static_cast<C*>(a.rstd);
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t offset = row * n;
+    const S* src;
+    if (a.residual != nullptr) {
+      a.add_row(a.input, a.residual, a.residual_out, offset, n);
+      src = static_cast<const S*>(a.residual_out) + offset;
+    } else {
+      src = static_cast<const S*>(a.input) + offset;
+    }
+    // Quantized output: the row normalized into the thread's buffer, then encoded from it.
+    Y* out = a.codes != nullptr ? static_cast<Y*>(a.row_buffer) : static_cast<Y*>(a.out) + offset;
+
+    C mean_hi = 0, mean_lo = 0;
+    double var_or_ms;
+    if (rms) {
+      auto squares = [&](auto compute_tag) {
+        using Q = decltype(compute_tag);
+        return row_sums<Q>(n, [&](int64_t j, int64_t count) {
+                 const Vec<Q> x = load_at<Q>(src, j, count);
+                 return Pair<Vec<Q>>{x * x, Vec<Q>{}};
+               }).first / static_cast<double>(n);
+      };
+      // Rows of a few vectors square in double: rstd is then rounded once, and the backward of tiny rows
+      // (N = 1: dx is proportional to 1 - xhat^2) is sensitive to every rounding of it. Longer rows average
+      // the float roundings out.
+      var_or_ms = n < 4 * L ? squares(double{}) : squares(C{});
+      // Float squares overflow beyond |x| ~ 1.8e19 (ATen's float statistics give 0 or NaN there); such a row
+      // (or one holding an infinity) squares again in double, a second pass only where the first overflowed.
+      if (__builtin_isinf(var_or_ms)) var_or_ms = squares(double{});
+    } else {
+      // One pass of sums about a shift (the mean of the first vector), exact when the shift is near the
+      // mean; if it is not (rarely), a second pass from cache about the mean found.
+      const int64_t head = min64(n, L);
+      const C shift = static_cast<C>(
+          horizontal_sum(widen<C>(keep_first<C>(load_at<C>(src, 0, head), head))) / static_cast<double>(head));
+      auto centered_stats = [&](C center) {
+        const auto [dev, sq] = centered_sums(src, n, center);
+        const double dev_mean = dev / static_cast<double>(n);
+        return Pair<double>{static_cast<double>(center) + dev_mean, sq / static_cast<double>(n) - dev_mean * dev_mean};
+      };
+      Pair<double> stats = centered_stats(shift);
+      const double offset = stats.first - static_cast<double>(shift);
+      if (offset * offset > kMaxShiftSq * stats.second) stats = centered_stats(static_cast<C>(stats.first));
+      const auto [mean, var] = stats;
+      mean_hi = static_cast<C>(mean);
+      mean_lo = static_cast<C>(mean - static_cast<double>(mean_hi));
+      var_or_ms = var;
+    }
+    // A negative rounding residue of the variance counts as 0; NaN stays NaN (a NaN in the row poisons it).
+    const C rstd = static_cast<C>(1.0 / __builtin_sqrt((var_or_ms < 0.0 ? 0.0 : var_or_ms) + eps));
+    if (mean_out != nullptr) mean_out[row] = mean_hi;
+    if (rstd_out != nullptr) rstd_out[row] = rstd;  // none stored by the inference ops
+
+    normalize(rms, src, out, weight, bias, n, mean_hi, mean_lo, rstd, round_first);
+    if (a.codes != nullptr) quantize_row(a, row, out, n);
+  }
+}
+
+}  // namespace
+}  // namespace LNX_ISA_NS
+}  // namespace cpu
+}  // namespace layernorm_ext
