@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One run on a GPU machine, under 8 minutes, offline: build for the present GPU, the CUDA tests, compute-sanitizer
-# (memcheck, racecheck) and the benchmark against ATen (and Liger / Quack if importable).
+# (memcheck, racecheck), the host time per call (overhead.py) and the benchmark against ATen (and Liger / Quack if
+# importable).
 #
 #   bash benchmarks/gpu_check.sh                 # results in $OUT (default ./gpu_check_out)
 #
 # Every step runs under `timeout`, its limit cut so that the steps after it keep their share of the total
 # (GPU_CHECK_TOTAL_S, default 470 s); a failing step is recorded and the next one runs. A step that runs out of
 # time gets SIGINT first, so that pytest still prints its summary and writes its junit file. Files (flat):
-#   build.log  tests.log  tests.xml  failures.txt  memcheck.log  racecheck.log  bench.log  bench.md  summary.txt
+#   build.log  tests.log  tests.xml  failures.txt  memcheck.log  racecheck.log  overhead.log  overhead.md  bench.log
+#   bench.md  summary.txt
 # tests.log has one line per test as it finishes (-v), so failures.txt (every FAILED / ERROR test with its
 # message, from the junit file, or from the log where the run was killed) lists every failure even after a
 # time-out. The summary (also printed last) names the commit (or GPU_CHECK_COMMIT when the copy has no .git)
@@ -108,7 +110,10 @@ else
   SUMMARY+=("sanitizers   compute-sanitizer not found")
 fi
 
-# ---- 4. benchmark: copy bandwidth C, ours vs ATen (Liger, Quack), M >= 8192 rows, decode sizes -----------------
+# ---- 4. host time per call on CUDA, ours vs ATen (issue 10's table; about 30 s) ---------------------------------
+step overhead 60 35 overhead.log "$PY" benchmarks/overhead.py --devices cuda --out "$OUT/overhead.md"
+
+# ---- 5. benchmark: copy bandwidth C, ours vs ATen (Liger, Quack), M >= 8192 rows, decode sizes -----------------
 step bench 600 5 bench.log "$PY" benchmarks/bench.py --gpu-check --out "$OUT/bench.md"
 
 # ---- summary -----------------------------------------------------------------------------------------------------
@@ -124,6 +129,7 @@ step bench 600 5 bench.log "$PY" benchmarks/bench.py --gpu-check --out "$OUT/ben
   for t in memcheck racecheck; do
     [ -f "$OUT/$t.log" ] && echo "$t: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize_cases:' "$OUT/$t.log" | tr '\n' ' ')"
   done
+  [ -f "$OUT/overhead.md" ] && grep -E '^Worst|^\| cuda' "$OUT/overhead.md" | grep -E '1x8|Worst'
   if [ -f "$OUT/bench.md" ]; then
     grep -E '^- C = ' "$OUT/bench.md" | cut -c1-60
     sed -n '/^## Summary/,/^## /p' "$OUT/bench.md" | grep '^|'
