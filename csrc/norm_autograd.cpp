@@ -16,7 +16,6 @@
 // rstd are no outputs of the forward's node, so no graph path leads from them to the input): such a backward
 // refuses to form second derivatives.
 #include <ATen/FunctionalTensorWrapper.h>
-#include <ATen/FuncTorchTLS.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -40,11 +39,14 @@ using torch::autograd::variable_list;
 // ---- which tensor the backward reads ------------------------------------------------------------------------
 
 // Tensors whose values cannot be read here: fake tensors of torch.compile / export, functional wrappers of a
-// traced graph, DTensors and other Python subclasses, meta tensors, or any tensor while a Python dispatch mode
-// (FakeTensorMode, a tracer) is active.
+// traced graph, DTensors and other Python subclasses, torch.func's batched and grad-tracking wrappers, meta
+// tensors, or any tensor while a Python dispatch mode (FakeTensorMode, a tracer) is active.
 bool values_unreadable(const Tensor& t) {
+  constexpr c10::DispatchKeySet kFunctorch =
+      c10::DispatchKeySet({c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper});
   return t.is_meta() || t.unsafeGetTensorImpl()->is_python_dispatch() ||
-         at::functionalization::impl::isFunctionalTensor(t) || c10::impl::TorchDispatchModeTLS::stack_len() > 0;
+         at::functionalization::impl::isFunctionalTensor(t) || t.key_set().has_any(kFunctorch) ||
+         c10::impl::TorchDispatchModeTLS::stack_len() > 0;
 }
 
 // memory_efficient recovers xhat = (out - bias) / weight from the rounded output: the absolute error of xhat
@@ -329,19 +331,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> record_forward(const Tensor& input, c
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return forward();
   }
-  // torch.func's differentiating transforms (grad, vjp, jacrev) are refused, as torch::autograd::Function refuses
-  // them: functorch drives a hand-written node through each of its levels, and nested derivatives through it
-  // (torch.func.grad of torch.func.grad, or autograd over torch.func.grad) came out twice ATen's.
-  if (const auto& functorch = at::functorch::functorchTLSAccessor()) {
-    try {
-      functorch->checkSupportsCppAutogradFunction();  // raises while a functorch transform is active
-    } catch (const c10::Error&) {
-      TORCH_CHECK(false, rms ? "rms_norm" : "layer_norm",
-                  ": torch.func transforms (grad, vjp, jacrev, vmap over a differentiated call) are not supported "
-                  "by layernorm_ext's autograd; use torch.autograd.grad, or torch.nn.functional's norms inside "
-                  "torch.func");
-    }
-  }
   auto node = make_node<NormBackward>();
   node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias, residual));
   Tensor out, residual_out, mean, rstd;
@@ -457,12 +446,15 @@ FormulaGrads backward_formula(const Tensor& grad_out, const Tensor& saved, const
   return f;
 }
 
-// The kernel's values with the formula's derivatives.
-// (Where the formula overflows, formula - formula.detach() would be NaN: that term is 0 there.)
+// The kernel's values with the formula's derivatives, and no others: the kernel's result is detached, which under
+// torch.func's nested transforms matters, since there the kernel call below this level's autograd is
+// differentiated again at the outer level (each level records its own node), and its derivatives added to the
+// formula's counted them twice. (Where the formula overflows, formula - formula.detach() would be NaN: that term
+// is 0 there.)
 Tensor with_derivatives(const Tensor& kernel, const Tensor& formula) {
   if (!formula.defined()) return kernel;
   const Tensor zero_valued = formula - formula.detach();
-  return kernel + at::where(formula.detach().isfinite(), zero_valued, at::zeros_like(zero_valued));
+  return kernel.detach() + at::where(formula.detach().isfinite(), zero_valued, at::zeros_like(zero_valued));
 }
 
 bool needs_graph(const Tensor& grad_out, const Tensor& saved, const OptTensor& weight, const OptTensor& bias,
