@@ -15,6 +15,7 @@
 #include <c10/core/UndefinedTensorImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <mutex>
 #include <vector>
@@ -105,7 +106,10 @@ bool params_allow_saved_output(const OptTensor& weight, const OptTensor& bias, d
     }
   }
   if (cache_entries.size() >= kMaxEntries) {
-    std::erase_if(cache_entries, [](const Entry& e) { return e.weight.dead() || e.bias.dead(); });
+    // (erase + remove_if, not C++20's std::erase_if: torch 2.5-2.11 build extensions as C++17.)
+    cache_entries.erase(std::remove_if(cache_entries.begin(), cache_entries.end(),
+                                       [](const Entry& e) { return e.weight.dead() || e.bias.dead(); }),
+                        cache_entries.end());
     if (cache_entries.size() >= kMaxEntries) cache_entries.erase(cache_entries.begin());
   }
   const bool safe = fresh.safe;
