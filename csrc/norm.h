@@ -146,21 +146,12 @@ std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& grad_out, const Tensor& sa
                                         double weight_offset, BackwardLauncher launch);
 
 // ---- autograd (norm_autograd.cpp) ----
-// Whether a forward saves its output for backward instead of its input (memory_efficient, where the backward
-// can recover xhat from the output exactly enough); reads the parameters' values once per parameter version
-// (a sync on CUDA after each update of them, none otherwise).
-// weight_offset: the forward's (the scale the output was formed with is weight + weight_offset).
+// memory_efficient: whether a forward with these arguments may save its output for backward instead of its input,
+// as far as the parameters decide (the circumstances, and the weight's and bias's values read on the host; the
+// forward adds a condition on its rows' statistics, and on CUDA checks the same on the device instead, with no
+// host read). weight_offset: the forward's (the scale the output was formed with is weight + weight_offset).
 bool can_save_output(const Tensor& input, const OptTensor& weight, const OptTensor& bias, bool memory_efficient,
                      bool has_residual, double weight_offset = 0.0);
-
-// ---- the memory_efficient decision per parameter version (saved_output_cache.cpp) ----
-// A check of the weight's and bias's values (true: the output may be saved). It reads device values.
-using ParamsCheck = bool (*)(const OptTensor& weight, const OptTensor& bias, double weight_offset);
-// check(weight, bias, weight_offset), remembered for these very tensors at their current versions and this
-// offset: a later call with the same live tensors, not updated in place since, returns the result without
-// running check. Inference tensors (no version counter) are checked on every call.
-bool params_allow_saved_output(const OptTensor& weight, const OptTensor& bias, double weight_offset,
-                               ParamsCheck check);
 
 // ---- device kernels ----
 namespace cpu {
@@ -178,7 +169,7 @@ namespace cuda {
 // synchronizes.
 void forward(const NormForwardParams& p);
 void backward(const NormBackwardParams& p);
-bool current_stream_is_capturing();  // whether the current device's current stream is capturing a CUDA graph
+bool stream_is_capturing(c10::DeviceIndex device);  // whether device's current stream is capturing a CUDA graph
 }  // namespace cuda
 #endif
 

@@ -25,9 +25,11 @@
 
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <type_traits>
+#include <utility>
 
 #include "norm.h"
 
@@ -49,57 +51,130 @@ bool values_unreadable(const Tensor& t) {
          c10::impl::TorchDispatchModeTLS::stack_len() > 0;
 }
 
-// memory_efficient recovers xhat = (out - bias) / weight from the rounded output: the absolute error of xhat
-// is about eps(out dtype) * (|xhat| + |bias / weight|). Columns where |bias| > this many |weight| would lose
-// accuracy (weight == 0 loses xhat altogether), so such a weight makes the forward save the input instead.
-constexpr double kMaxBiasOverWeight = 4.0;
+// ---- memory_efficient: whether the backward may recover xhat from the output --------------------------------
+//
+// The backward recovers xhat = (out - bias) / scale, scale = weight + weight_offset, from the output rounded to its
+// dtype (unit roundoff u, smallest normal `tiny`, largest finite `max`). Rounding y = xhat * scale + bias to that
+// dtype errs by at most u * max(|y|, tiny), so the recovered xhat errs by at most
+//   u * (|xhat| + (|bias| + tiny) / |scale|)                                                       per element,
+// against a few u * |xhat| for the xhat that the default path computes from the input. The recovery is as good
+// as that (tests/test_memory_efficient.py holds it to the suite's accuracy rule) when the call's values satisfy
+//   (a) weight and bias finite, and |scale| * sqrt(cols) + |bias| <= max / 2 in every column: no output can
+//       overflow (|xhat| < sqrt(cols) in any row);
+//   (b) (|bias| + tiny) / |scale| <= kMaxBiasOverScale * rms(xhat) in every column and row, where a row's
+//       rms(xhat)^2 = var * rstd^2 = 1 - eps * rstd^2 (LayerNorm and RMSNorm alike): the error term beside
+//       u * |xhat| stays within a few u of the row's xhat. It fails for a weight entry 0 or tiny against its bias,
+//       for outputs in the subnormals, and for rows whose variance is far below eps (their xhat is small). Rows
+//       with a non-finite rstd (NaN or infinite input) are left out: their output and gradients are NaN whatever
+//       is saved, as ATen's.
+// The verdict is formed at every forward from that call's tensors, never cached (a parameter can change without
+// a version bump: fused optimizers, FSDP2's unshard, collectives, .data). On CPU it is read at once (no sync)
+// and the input is saved where it fails: exact gradients. On other devices reading it would be a host sync,
+// so the output is always saved with the 0-dim verdict, and the backward poisons a failed call's recovery
+// (every dx and dweight NaN: loud, never a slightly wrong number). The environment variable below makes CPU
+// calls take the device's way too, for tests.
+constexpr double kMaxBiasOverScale = 4.0;
+constexpr const char* kDeviceVerdictVariable = "LAYERNORM_EXT_MEMEFF_DEVICE_VERDICT";
 
-// Whether every weight entry is finite, nonzero and at least 1/kMaxBiasOverWeight of its bias: what the backward
-// needs to recover xhat from the output. Reads the values: on CUDA a host synchronization (the .item()), which is
-// why can_save_output runs it once per parameter version only (params_allow_saved_output).
-// With a weight_offset the scale is weight + weight_offset, formed as the kernels form it (in float32, float64
-// for float64 parameters).
-bool params_values_safe(const OptTensor& weight, const OptTensor& bias, double weight_offset) {
-  // Written as what is safe, so that NaN (every comparison false) and infinite entries are unsafe too: the
-  // output of such a column holds no xhat to recover, while the weight's gradient needs it.
-  Tensor magnitude;
-  if (!weight.has_value()) {
-    magnitude = at::ones_like(*bias);
-  } else if (weight_offset == 0.0) {
-    magnitude = weight->abs();
+template <class T>
+std::pair<double, double> tiny_and_max() {
+  return {static_cast<double>(std::numeric_limits<T>::min()), static_cast<double>(std::numeric_limits<T>::max())};
+}
+
+// The verdict of (a) and (b) for one call as a 0-dim bool tensor on the parameters' device, in ATen ops without a
+// host read (no sync; safe under tracing of values). out_dtype: the output's; rstd: the forward's per-row rstd;
+// eps: the one the forward used. Written as what is safe, so that NaN (every comparison false) fails.
+Tensor recovery_verdict(at::ScalarType out_dtype, const OptTensor& weight, const OptTensor& bias,
+                        double weight_offset, const Tensor& rstd, double eps) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // parameters may require grad; nothing here is a graph
+  const auto [tiny, max] = out_dtype == at::kHalf       ? tiny_and_max<at::Half>()
+                           : out_dtype == at::kBFloat16 ? tiny_and_max<at::BFloat16>()
+                           : out_dtype == at::kFloat    ? tiny_and_max<float>()
+                                                        : tiny_and_max<double>();
+  const Tensor& param = weight.has_value() ? *weight : *bias;
+  const double root_cols = std::sqrt(static_cast<double>(param.numel()));
+  // In float64 whatever the dtype: the bounds are compared exactly, and the tensors are O(cols).
+  const Tensor scale = weight.has_value() ? (weight->to(at::kDouble) + weight_offset).abs() : Tensor();
+  const Tensor shift = bias.has_value() ? bias->to(at::kDouble).abs() : Tensor();
+  const Tensor reach = scale.defined() ? (shift.defined() ? scale * root_cols + shift : scale * root_cols)
+                                       : shift + root_cols;
+  Tensor safe = reach.amax().le(max / 2);  // (a); false for any NaN or infinite entry too
+  // (b): the largest (|bias| + tiny) / |scale|, against the smallest row's rms(xhat) (1 without rows: none, or
+  // can_save_output's question).
+  const Tensor ratio = !shift.defined()  ? scale.amin().reciprocal() * tiny
+                       : !scale.defined() ? (shift + tiny).amax()
+                                          : ((shift + tiny) / scale).amax();
+  if (rstd.defined() && rstd.numel() > 0) {
+    const Tensor rstd_max = at::nan_to_num(rstd.to(at::kDouble), 0.0, 0.0, 0.0).amax();
+    const Tensor rms_min = (1.0 - eps * rstd_max.square()).clamp_min(0.0).sqrt();
+    safe.logical_and_(ratio.le(rms_min * kMaxBiasOverScale));
   } else {
-    magnitude = (weight->to(weight->scalar_type() == at::kDouble ? at::kDouble : at::kFloat) + weight_offset).abs();
+    safe.logical_and_(ratio.le(kMaxBiasOverScale));
   }
-  Tensor safe = magnitude.gt(0).logical_and_(magnitude.lt(std::numeric_limits<double>::infinity()));
-  if (bias.has_value()) safe.logical_and_(bias->abs().le(magnitude * kMaxBiasOverWeight));
-  return safe.all().item<bool>();
+  return safe;
+}
+
+bool device_verdict_on_cpu() {
+  const char* value = std::getenv(kDeviceVerdictVariable);
+  return value != nullptr && value[0] == '1';
+}
+
+// What a memory_efficient forward saves: the output (saved_is_output) or the input; verdict: defined where the
+// output is saved on a verdict that the backward checks (the device's way).
+struct SavedChoice {
+  bool saved_is_output = false;
+  Tensor verdict;
+};
+
+bool capturing_cuda_graph(const Tensor& input) {
+#ifdef LAYERNORM_EXT_WITH_CUDA
+  return input.is_cuda() && cuda::stream_is_capturing(input.get_device());
+#else
+  (void)input;
+  return false;
+#endif
+}
+
+// Whether the call's circumstances let the output stand in for the input at all, before the values: not without
+// memory_efficient; not with a residual (h is an output already: saving it costs no more than saving out); not
+// when the output is coarser than the parameters (half input, float32 weight); not when the values are not
+// real ones (tracing, DTensor, functorch wrappers) nor during CUDA graph capture (as before: replays must equal
+// eager calls bitwise, and the captured choice cannot look at later values).
+bool output_may_stand_in(const Tensor& input, const OptTensor& weight, const OptTensor& bias, bool memory_efficient,
+                         bool has_residual) {
+  if (!memory_efficient || has_residual) return false;
+  for (const OptTensor& t : {weight, bias}) {
+    if (t.has_value() && (t->scalar_type() != input.scalar_type() || values_unreadable(*t))) return false;
+  }
+  return !values_unreadable(input) && !capturing_cuda_graph(input);
 }
 
 }  // namespace
 
-// Whether the backward may recover xhat from the output instead of reading the saved input. Not with a
-// residual (h is an output already: saving it costs no more than saving out); not when the output is coarser
-// than the parameters (half input, float32 weight); not when a weight entry is 0, much smaller than its bias,
-// or either is not finite; not when the values cannot be read (tracing, DTensor) nor during CUDA graph
-// capture, where reading them (a wait for the GPU) is forbidden and where the graph replays with later values,
-// so no choice made from today's values may be baked in. In all these cases the input is saved, so the
-// gradients stay exact. Otherwise the values are read once per version of the parameters (cached: one host
-// synchronization on CUDA after each in-place update of the weight or bias, none on the calls between).
+// The verdict on the parameters alone (as for rows of rms(xhat) 1), read on the host: for the CUDA emulation
+// tests; a forward decides in choose_saved, with its rows.
 bool can_save_output(const Tensor& input, const OptTensor& weight, const OptTensor& bias, bool memory_efficient,
                      bool has_residual, double weight_offset) {
-  if (!memory_efficient || has_residual) return false;
+  if (!output_may_stand_in(input, weight, bias, memory_efficient, has_residual)) return false;
   if (!weight.has_value() && !bias.has_value()) return true;
-  for (const OptTensor& t : {weight, bias}) {
-    if (t.has_value() && (t->scalar_type() != input.scalar_type() || values_unreadable(*t))) return false;
-  }
-#ifdef LAYERNORM_EXT_WITH_CUDA
-  // Before the cache: an eager call's cached "safe" must not leak into a captured graph.
-  if (input.is_cuda() && cuda::current_stream_is_capturing()) return false;
-#endif
-  return params_allow_saved_output(weight, bias, weight_offset, params_values_safe);
+  if ((weight.has_value() ? *weight : *bias).numel() < 2) return false;  // rows of one element (choose_saved)
+  return recovery_verdict(input.scalar_type(), weight, bias, weight_offset, Tensor(), 0.0).item<bool>();
 }
 
 namespace {
+
+// The choice of a forward that recorded a graph (see recovery_verdict). out, rstd, eps: the forward's.
+SavedChoice choose_saved(const Tensor& input, const Tensor& out, const Tensor& rstd, const OptTensor& weight,
+                         const OptTensor& bias, bool memory_efficient, bool has_residual, double weight_offset,
+                         double eps) {
+  if (!output_may_stand_in(input, weight, bias, memory_efficient, has_residual)) return {};
+  // Rows of one element: xhat is 0 or +-1 up to eps, and dx a cancellation that a recovered xhat cannot resolve.
+  if (rstd.numel() > 0 && out.numel() / rstd.numel() < 2) return {};
+  if (!weight.has_value() && !bias.has_value()) return {true, Tensor()};  // xhat is the output itself
+  Tensor verdict = recovery_verdict(out.scalar_type(), weight, bias, weight_offset, rstd, eps);
+  if (input.is_cpu() && !device_verdict_on_cpu()) return {verdict.item<bool>(), Tensor()};
+  return {true, std::move(verdict)};
+}
 
 // ---- the forward ops ----------------------------------------------------------------------------------------
 
@@ -154,16 +229,26 @@ struct NodeState {
 
 // The backward of a forward node: the backward op on the saved tensors (undefined where absent). Gradients in
 // the node's input slots: input, weight, bias, residual.
+// verdict: the forward's recovery verdict where it saved its output on one (recovery_verdict); a failed one
+// poisons the parameter that the recovery divides by (or subtracts), so that dx and dweight are NaN.
 variable_list norm_backward(const NodeState& state, const variable_list& grads, const Tensor& saved,
-                            const Tensor& mean, const Tensor& rstd, const Tensor& weight_t, const Tensor& bias_t) {
-  const OptTensor weight = weight_t.defined() ? OptTensor(weight_t) : std::nullopt;
-  const OptTensor bias = bias_t.defined() ? OptTensor(bias_t) : std::nullopt;
+                            const Tensor& mean, const Tensor& rstd, const Tensor& weight_t, const Tensor& bias_t,
+                            const Tensor& verdict) {
+  const auto poisoned = [&](const Tensor& t) {
+    return at::where(verdict, t, std::numeric_limits<double>::quiet_NaN());
+  };
+  const bool poison = verdict.defined();
+  const OptTensor weight =
+      weight_t.defined() ? OptTensor(poison ? poisoned(weight_t) : weight_t) : std::nullopt;
+  const OptTensor bias =
+      bias_t.defined() ? OptTensor(poison && !weight_t.defined() ? poisoned(bias_t) : bias_t) : std::nullopt;
   const c10::SymIntArrayRef normalized_shape = trailing_sizes(saved, state.dims);
   Tensor grad_out = grads[0];
   if (!grad_out.defined()) {  // only residual_out was used
     grad_out = saved.new_zeros_symint(saved.sym_sizes(), saved.options().dtype(state.out_dtype));
   }
-  const OptTensor grad_residual_out = state.has_residual && grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
+  const OptTensor grad_residual_out =
+      state.has_residual && grads.size() > 1 && grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
   Tensor grad_h, grad_weight, grad_bias;
   if (state.rms) {
     std::tie(grad_h, grad_weight) = rms_norm_bwd_op().call(grad_out, saved, rstd, normalized_shape, weight,
@@ -203,7 +288,7 @@ auto self_ptr(Base* node) {
 #define LAYERNORM_EXT_FUNCTIONAL_COMPILED_AUTOGRAD 1
 // Compiled autograd from torch 2.7 on records a C++ node's backward as a call of a "functional" bound to Python:
 // this one, with the saved tensors and the node's state as its arguments (their order: saved, mean, rstd, weight,
-// bias, then NodeState's fields).
+// bias, verdict, then NodeState's fields).
 std::vector<c10::IValue> functional_args(const NodeState& s, variable_list saved) {
   std::vector<c10::IValue> args(saved.begin(), saved.end());
   for (const bool b : {s.rms, s.has_residual, s.saved_is_output}) args.emplace_back(b);
@@ -217,16 +302,16 @@ std::vector<c10::IValue> functional_args(const NodeState& s, variable_list saved
 
 variable_list norm_backward_functional(const variable_list& grads, const std::vector<c10::IValue>& args) {
   NodeState s;
-  s.rms = args[5].toBool();
-  s.has_residual = args[6].toBool();
-  s.saved_is_output = args[7].toBool();
-  s.input_dtype = static_cast<at::ScalarType>(args[8].toInt());
-  s.residual_dtype = static_cast<at::ScalarType>(args[9].toInt());
-  s.out_dtype = static_cast<at::ScalarType>(args[10].toInt());
-  s.dims = args[11].toInt();
-  s.weight_offset = args[12].toDouble();
+  s.rms = args[6].toBool();
+  s.has_residual = args[7].toBool();
+  s.saved_is_output = args[8].toBool();
+  s.input_dtype = static_cast<at::ScalarType>(args[9].toInt());
+  s.residual_dtype = static_cast<at::ScalarType>(args[10].toInt());
+  s.out_dtype = static_cast<at::ScalarType>(args[11].toInt());
+  s.dims = args[12].toInt();
+  s.weight_offset = args[13].toDouble();
   const auto tensor = [&](size_t i) { return args[i].isTensor() ? args[i].toTensor() : Tensor(); };
-  return norm_backward(s, grads, tensor(0), tensor(1), tensor(2), tensor(3), tensor(4));
+  return norm_backward(s, grads, tensor(0), tensor(1), tensor(2), tensor(3), tensor(4), tensor(5));
 }
 #endif
 
@@ -239,10 +324,11 @@ variable_list norm_backward_functional(const variable_list& grads, const std::ve
 struct NormBackward final : public torch::autograd::Node {
   torch::autograd::SavedVariable saved_;  // input, h with a residual, or out in memory-efficient mode
   torch::autograd::SavedVariable mean_, rstd_, weight_, bias_;
+  torch::autograd::SavedVariable verdict_;  // memory_efficient's verdict, where the backward checks it
   NodeState state_;
 
-  std::array<torch::autograd::SavedVariable*, 5> saved_variables() {
-    return {&saved_, &mean_, &rstd_, &weight_, &bias_};
+  std::array<torch::autograd::SavedVariable*, 6> saved_variables() {
+    return {&saved_, &mean_, &rstd_, &weight_, &bias_, &verdict_};
   }
 
   std::string name() const override {
@@ -257,14 +343,16 @@ struct NormBackward final : public torch::autograd::Node {
   variable_list apply(variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
     return norm_backward(state_, grads, saved_.unpack(self_ptr(static_cast<torch::autograd::Node*>(this))),
-                         mean_.unpack(), rstd_.unpack(), weight_.unpack(), bias_.unpack());
+                         mean_.unpack(), rstd_.unpack(), weight_.unpack(), bias_.unpack(), verdict_.unpack());
   }
 
   // Compiled autograd (torch._dynamo.compiled_autograd): what identifies this node's backward (compiled_args: const
   // from torch 2.7 on, so both are declared and one overrides), and its backward on the traced graph's values.
   void collect_args(torch::dynamo::autograd::CompiledNodeArgs& args) const {
     args.collect(saved_, state_.saved_is_output || state_.has_residual);
-    for (const torch::autograd::SavedVariable* v : {&mean_, &rstd_, &weight_, &bias_}) args.collect(*v, false);
+    for (const torch::autograd::SavedVariable* v : {&mean_, &rstd_, &weight_, &bias_, &verdict_}) {
+      args.collect(*v, false);
+    }
     for (const bool b : {state_.rms, state_.has_residual, state_.saved_is_output}) args.collect(b);
     for (const at::ScalarType t : {state_.input_dtype, state_.residual_dtype, state_.out_dtype}) args.collect(t);
     args.collect(state_.dims);
@@ -325,7 +413,8 @@ template <class Forward>
 std::tuple<Tensor, Tensor, Tensor, Tensor> record_forward(const Tensor& input, c10::SymIntArrayRef normalized_shape,
                                                           const OptTensor& weight, const OptTensor& bias,
                                                           const OptTensor& residual, bool memory_efficient,
-                                                          double weight_offset, bool rms, const Forward& forward) {
+                                                          double weight_offset, double eps, bool rms,
+                                                          const Forward& forward) {
   check_no_forward_grad(rms ? "rms_norm" : "layer_norm", input, weight, bias, residual);
   if (!records_graph(input, weight, bias, residual)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -339,9 +428,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> record_forward(const Tensor& input, c
     std::tie(out, residual_out, mean, rstd) = forward();
   }
   const bool has_residual = residual.has_value();
-  const bool saved_is_output = can_save_output(input, weight, bias, memory_efficient, has_residual, weight_offset);
+  const SavedChoice choice =
+      choose_saved(input, out, rstd, weight, bias, memory_efficient, has_residual, weight_offset, eps);
+  const bool saved_is_output = choice.saved_is_output;
   torch::autograd::set_history(out, node);
-  if (has_residual) torch::autograd::set_history(residual_out, node);
+  if (has_residual) {
+    // h = input + residual requires grad only where one of them does, as ATen's sum: its slot is still the
+    // node's second output, an empty one otherwise (a weight alone requiring grad gives h no history).
+    if (input.requires_grad() || residual->requires_grad()) {
+      torch::autograd::set_history(residual_out, node);
+    } else {
+      node->add_input_metadata(torch::autograd::Node::undefined_input());
+    }
+  }
   // out and h are this node's outputs (saved without their grad_fn, which is the node); the rest are inputs or
   // hold no graph.
   node->saved_ = torch::autograd::SavedVariable(saved_is_output ? out : (has_residual ? residual_out : input),
@@ -350,6 +449,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> record_forward(const Tensor& input, c
   node->rstd_ = torch::autograd::SavedVariable(rstd, false);
   if (weight.has_value()) node->weight_ = torch::autograd::SavedVariable(*weight, false);
   if (bias.has_value()) node->bias_ = torch::autograd::SavedVariable(*bias, false);
+  if (choice.verdict.defined()) node->verdict_ = torch::autograd::SavedVariable(choice.verdict, false);
   NodeState& state = node->state_;
   state.rms = rms;
   state.has_residual = has_residual;
@@ -368,7 +468,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_autograd(const Tensor& inp
                                                                double eps, const OptTensor& residual,
                                                                bool residual_in_fp32, bool memory_efficient,
                                                                double weight_offset, bool cast_before_weight) {
-  return record_forward(input, normalized_shape, weight, bias, residual, memory_efficient, weight_offset,
+  return record_forward(input, normalized_shape, weight, bias, residual, memory_efficient, weight_offset, eps,
                         /*rms=*/false, [&] {
                           return layer_norm_fwd_op().call(input, normalized_shape, weight, bias, eps, residual,
                                                           residual_in_fp32, memory_efficient, weight_offset,
@@ -381,8 +481,12 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_autograd(const Tensor& input, c10::S
                                                      const OptTensor& residual, bool residual_in_fp32,
                                                      bool memory_efficient, double weight_offset,
                                                      bool cast_before_weight) {
+  // eps=None: the machine epsilon of the compute type (bindings.cpp), what the forward's rstd used.
+  const double eps_used = eps.value_or(input.scalar_type() == at::kDouble
+                                           ? std::numeric_limits<double>::epsilon()
+                                           : static_cast<double>(std::numeric_limits<float>::epsilon()));
   const auto r = record_forward(input, normalized_shape, weight, std::nullopt, residual, memory_efficient,
-                                weight_offset, /*rms=*/true, [&] {
+                                weight_offset, eps_used, /*rms=*/true, [&] {
                                   const auto [out, residual_out, rstd] = rms_norm_fwd_op().call(
                                       input, normalized_shape, weight, eps, residual, residual_in_fp32,
                                       memory_efficient, weight_offset, cast_before_weight);
@@ -580,7 +684,7 @@ namespace {
 // The inference ops (out=, in place and quantized output, boxed: one body for all eight) on the Autograd key: as
 // ATen's out= ops, they refuse to run on arguments that require grad while grad mode is on (their results would
 // have no graph), then run the kernel and bump the version of every tensor they wrote, which autograd's saved-tensor
-// checks and memory_efficient's cache (saved_output_cache.cpp) rely on.
+// checks rely on.
 void inference_op_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const c10::FunctionSchema& schema = op.schema();
   const std::string& qualified = schema.name();

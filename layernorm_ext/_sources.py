@@ -17,7 +17,6 @@ CPU_SOURCES: tuple[str, ...] = (
     "norm_checks.cpp",
     "norm_ops.cpp",
     "norm_autograd.cpp",
-    "saved_output_cache.cpp",
     "python_functions.cpp",
     "cpu/norm_cpu.cpp",
     "cpu/norm_kernel.cpp",

@@ -2,8 +2,9 @@
 // CUDA kernels (norm_kernels.cuh, instantiated per input dtype in launch_*.cu). The op bodies check every
 // argument first; only then does a launcher below take a device guard for the tensors' device and launch on
 // that device's current stream.
-#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include "../device_ops.h"
 
@@ -41,8 +42,12 @@ void backward(const NormBackwardParams& p) {
   }
 }
 
-bool current_stream_is_capturing() {
-  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+// The input's device's stream, not the current device's: a call on cuda:1 while cuda:0 is current and capturing
+// (or the reverse) must see its own stream's state.
+bool stream_is_capturing(c10::DeviceIndex device) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device), &status));
+  return status != cudaStreamCaptureStatusNone;
 }
 
 }  // namespace cuda
