@@ -681,17 +681,20 @@ TORCH_LIBRARY_IMPL(layernorm_ext, CompositeImplicitAutograd, m) {
 
 namespace {
 
-// The inference ops (out=, in place and quantized output, boxed: one body for all eight) on the Autograd key: as
-// ATen's out= ops, they refuse to run on arguments that require grad while grad mode is on (their results would
-// have no graph), then run the kernel and bump the version of every tensor they wrote, which autograd's saved-tensor
-// checks rely on.
+// The inference ops (out=, in place and quantized output), boxed: one body per dispatch key for all eight.
+constexpr std::array<const char*, 8> kInferenceOps = {"layer_norm_into",       "rms_norm_into",
+                                                      "add_layer_norm_",       "add_rms_norm_",
+                                                      "layer_norm_quant",      "rms_norm_quant",
+                                                      "layer_norm_quant_into", "rms_norm_quant_into"};
+
+// Autograd key: as ATen's out= ops, they refuse arguments that require grad while grad mode is on (their results
+// would have no graph) and dual tensors; then the call goes on to ADInplaceOrView.
 void inference_op_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const c10::FunctionSchema& schema = op.schema();
   const std::string& qualified = schema.name();
   const std::string name = qualified.substr(qualified.rfind(':') + 1);  // without "layernorm_ext::"
   const size_t count = schema.arguments().size();
   const auto first = stack->end() - static_cast<std::ptrdiff_t>(count);
-  std::vector<Tensor> written;
   for (size_t i = 0; i < count; ++i) {
     if (!first[i].isTensor()) continue;
     const Tensor& t = first[i].toTensor();
@@ -704,10 +707,25 @@ void inference_op_autograd(const c10::OperatorHandle& op, torch::jit::Stack* sta
     TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(t), "Trying to use forward AD with ", name,
                                 " that does not support it: ", arg.name(), " is a dual tensor, and layernorm_ext "
                                 "has no forward-mode derivative");
-    if (arg.alias_info() != nullptr && arg.alias_info()->isWrite()) written.push_back(t);
+  }
+  at::AutoDispatchBelowAutograd below_autograd;
+  op.callBoxed(stack);
+}
+
+// ADInplaceOrView key: run the kernel, then bump the version of every tensor written, as ATen's in-place and out=
+// ops do. Here, not on the Autograd key: torch.inference_mode() skips that key but not this one for normal
+// tensors, and a graph recorded before that saved such a tensor must see it changed (autograd then raises).
+void inference_op_inplace_or_view(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const c10::FunctionSchema& schema = op.schema();
+  const size_t count = schema.arguments().size();
+  const auto first = stack->end() - static_cast<std::ptrdiff_t>(count);
+  std::vector<Tensor> written;
+  for (size_t i = 0; i < count; ++i) {
+    const c10::AliasInfo* alias = schema.arguments()[i].alias_info();
+    if (first[i].isTensor() && alias != nullptr && alias->isWrite()) written.push_back(first[i].toTensor());
   }
   {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::AutoDispatchBelowADInplaceOrView below_view;
     op.callBoxed(stack);
   }
   for (const Tensor& t : written) {
@@ -717,13 +735,18 @@ void inference_op_autograd(const c10::OperatorHandle& op, torch::jit::Stack* sta
 
 }  // namespace
 
+TORCH_LIBRARY_IMPL(layernorm_ext, ADInplaceOrView, m) {
+  for (const char* name : kInferenceOps) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&inference_op_inplace_or_view>());
+  }
+}
+
 TORCH_LIBRARY_IMPL(layernorm_ext, Autograd, m) {
   m.impl("layer_norm_fwd", &layer_norm_autograd);
   m.impl("rms_norm_fwd", &rms_norm_autograd);
   m.impl("layer_norm_bwd", &layer_norm_bwd_autograd);
   m.impl("rms_norm_bwd", &rms_norm_bwd_autograd);
-  for (const char* name : {"layer_norm_into", "rms_norm_into", "add_layer_norm_", "add_rms_norm_",
-                           "layer_norm_quant", "rms_norm_quant", "layer_norm_quant_into", "rms_norm_quant_into"}) {
+  for (const char* name : kInferenceOps) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&inference_op_autograd>());
   }
 }

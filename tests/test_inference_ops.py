@@ -3,9 +3,10 @@ rms_norm_into) and the engines' fused add + norm in place (add_layer_norm_, add_
 
 They run the very kernels of the functional ops, so their results must equal the functional ops' bit for bit,
 for every dtype pairing, odd sizes and the residual variants; they store no statistics (no allocation at all);
-they bump the versions of what they write; they refuse what the functional ops refuse, plus bad buffers
-(wrong shape or dtype, non-contiguous, overlapping an argument), eager and under FakeTensorMode alike; they
-refuse arguments that require grad; opcheck passes; torch.compile(fullgraph=True) traces them.
+they bump the versions of what they write, under torch.inference_mode() too (as ATen's in-place ops); they
+refuse what the functional ops refuse, plus bad buffers (wrong shape or dtype, non-contiguous, overlapping an
+argument), eager and under FakeTensorMode alike; they refuse arguments that require grad; opcheck passes;
+torch.compile(fullgraph=True) traces them.
 """
 
 from __future__ import annotations
@@ -239,6 +240,60 @@ def test_requires_grad_is_refused_and_no_grad_works() -> None:
         want, want_h = L.add_rms_norm(xi, ri, 8, w)
         L.add_rms_norm_(xi, ri, 8, w)
         assert torch.equal(xi, want) and torch.equal(ri, want_h)
+
+
+# Each mutating op writing into `saved` (float32 [4, 8]) at one of its written arguments.
+_SCALE = torch.ones(1)
+_WRITERS: dict[str, Callable[[Tensor], object]] = {
+    "layer_norm_into.out": lambda s: _ops.layer_norm_into(torch.randn(4, 8), [8], None, None, 1e-5, s),
+    "rms_norm_into.out": lambda s: _ops.rms_norm_into(torch.randn(4, 8), [8], None, None, s),
+    "rms_norm_into.residual_out": lambda s: _ops.rms_norm_into(
+        torch.randn(4, 8), [8], None, None, torch.empty(4, 8), torch.randn(4, 8), s),
+    "add_layer_norm_.input": lambda s: _ops.add_layer_norm_(s, torch.randn(4, 8), [8]),
+    "add_rms_norm_.residual": lambda s: _ops.add_rms_norm_(torch.randn(4, 8), s, [8]),
+    "layer_norm_quant_into.residual_out": lambda s: _ops.layer_norm_quant_into(
+        torch.randn(4, 8), [8], None, None, 1e-5, torch.empty(4, 8, dtype=torch.int8), _SCALE,
+        residual=torch.randn(4, 8), residual_out=s),
+    "rms_norm_quant_into.residual_out": lambda s: _ops.rms_norm_quant_into(
+        torch.randn(4, 8), [8], None, None, torch.empty(4, 8, dtype=torch.int8), _SCALE,
+        residual=torch.randn(4, 8), residual_out=s),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+@pytest.mark.parametrize("writer", _WRITERS)
+def test_writes_bump_the_version_in_inference_mode(writer: str, mode: str) -> None:
+    """A graph recorded before saved h (sin saves its input); an inference op then overwrites h. As ATen's in-place
+    ops, ours bump h's version also under torch.inference_mode() (the bump is on the ADInplaceOrView key, which
+    inference mode keeps for normal tensors), so the backward raises instead of using the overwritten values.
+    Main bumped on the Autograd key only: under inference mode x.grad came out silently wrong."""
+    x = torch.randn(4, 8, requires_grad=True)
+    h = x * 1.5
+    y = h.sin()
+    version = h._version
+    with torch.inference_mode() if mode == "inference_mode" else torch.no_grad():
+        _WRITERS[writer](h)
+    assert h._version > version, f"{writer} under {mode} bumped no version"
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_scales_buffer_version_bump_in_inference_mode() -> None:
+    scales = torch.empty(4, 1)
+    version = scales._version
+    with torch.inference_mode():
+        _ops.rms_norm_quant_into(torch.randn(4, 8), [8], None, None, torch.empty(4, 8, dtype=torch.int8),
+                                 scales=scales)  # fmt: skip
+    assert scales._version > version
+
+
+def test_inference_tensors_are_written_without_a_version() -> None:
+    """Inference tensors have no version counter: writing them (in and outside inference mode) works."""
+    with torch.inference_mode():
+        x, r = torch.randn(4, 8), torch.randn(4, 8)
+        L.add_rms_norm_(x, r, 8)
+    L.add_rms_norm_(x, r, 8)
+    assert x.is_inference() and r.is_inference()
 
 
 def test_out_needs_both_buffers_with_a_residual() -> None:
