@@ -84,7 +84,16 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     if (residual_arg.has_value()) {
       check_destination(op, dest.in_place ? "residual" : "residual_out", input_arg, *dest.residual_out, h_type);
     }
-    if (!dest.in_place) {
+    if (dest.in_place) {
+      // input and residual are both written (out and h): no element may be both, nor a parameter that the
+      // kernels read after rows were written.
+      check_no_overlap(op, "input", input_arg, "residual", *residual_arg);
+      const std::pair<const char*, const Tensor*> written[] = {{"input", &input_arg}, {"residual", &*residual_arg}};
+      for (const auto& [name, d] : written) {
+        if (weight_arg.has_value()) check_no_overlap(op, name, *d, "weight", *weight_arg);
+        if (bias_arg.has_value()) check_no_overlap(op, name, *d, "bias", *bias_arg);
+      }
+    } else {
       // The quantized ops may write h over residual itself (the engines' fused add in place): each element of h
       // is written where the same thread read residual's.
       const bool h_over_residual = quant != nullptr && residual_arg.has_value() &&

@@ -409,6 +409,34 @@ def test_backward_stats_follow_fp64_rows(kind: str) -> None:
         _call_bwd(kind, args)
 
 
+_IN_PLACE_OVERLAPS = {
+    # name: (input, residual, weight) from one buffer of 5 rows of 8; ATen refuses writes through overlapping
+    # tensors. input and residual are both written (out and h).
+    "rows_0_4_and_1_5": (lambda b: b[0:4], lambda b: b[1:5], lambda b: None, "input shares memory with residual"),
+    "same_rows": (lambda b: b[0:4], lambda b: b[0:4], lambda b: None, "input shares memory with residual"),
+    "weight_in_input": (lambda b: b[0:4], lambda b: b[4:5].expand(4, 8).clone(), lambda b: b[2],
+                        "input shares memory with weight"),
+    "weight_in_residual": (lambda b: b[0:4].clone(), lambda b: b[0:4], lambda b: b[3],
+                           "residual shares memory with weight"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("overlap", list(_IN_PLACE_OVERLAPS))
+@pytest.mark.parametrize("kind", ["ln", "rms"])
+def test_in_place_refuses_overlapping_arguments(overlap: str, kind: str, device: str) -> None:
+    make_input, make_residual, make_weight, match = _IN_PLACE_OVERLAPS[overlap]
+    buf = _t(5, 8, device=device)
+    before = buf.clone()
+    x, r, w = make_input(buf), make_residual(buf), make_weight(buf)
+    op = "add_layer_norm_" if kind == "ln" else "add_rms_norm_"
+    with pytest.raises(RuntimeError, match=rf"{op}: {match}"):
+        if kind == "ln":
+            layernorm_ext.add_layer_norm_(x, r, [8], w)
+        else:
+            layernorm_ext.add_rms_norm_(x, r, [8], w)
+    assert torch.equal(buf, before)  # refused before anything was written
+
+
 def test_library_still_works_after_errors() -> None:
     """Errors leave nothing behind: a valid call right after a failed one gives ATen's result."""
     x, w, b = _t(4, 8), _t(8), _t(8)
