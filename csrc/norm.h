@@ -30,12 +30,14 @@ bool is_supported_float(ScalarType t);
 ScalarType acc_type_for(ScalarType h_type);
 // dtype of h = input + residual: the promoted type, at least float32 when residual_in_fp32.
 ScalarType residual_out_dtype(const Tensor& input, const Tensor& residual, bool residual_in_fp32);
+// rms: rms_norm's dtype rule for the weight (any floating dtype) instead of layer_norm's.
 NormGeometry check_forward_args(const char* op, const Tensor& input, at::IntArrayRef normalized_shape,
-                                const OptTensor& weight, const OptTensor& bias, const OptTensor& residual);
+                                const OptTensor& weight, const OptTensor& bias, const OptTensor& residual,
+                                bool rms);
 NormGeometry check_backward_args(const char* op, const Tensor& grad_out, const Tensor& saved,
                                  const OptTensor& mean, const Tensor& rstd, at::IntArrayRef normalized_shape,
                                  const OptTensor& weight, const OptTensor& bias,
-                                 const OptTensor& grad_residual_out, bool saved_is_output);
+                                 const OptTensor& grad_residual_out, bool saved_is_output, bool rms);
 // weight_offset: finite, and nonzero only with a weight (the scale is weight + weight_offset).
 void check_weight_offset(const char* op, const OptTensor& weight, double weight_offset);
 // A caller's output buffer (out=, residual_out=, or the in-place ops' input / residual): on input's device,

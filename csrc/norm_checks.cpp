@@ -37,14 +37,17 @@ void check_same_device(const char* op, const char* name, const Tensor& input, co
               input.device(), " and ", t.device(), "! (when checking argument ", name, ")");
 }
 
-// Weight and bias: the normalized shape, the input's dtype or (for half inputs) float32, both alike.
+// Weight and bias: the normalized shape and, as ATen's (CPU) rules, a dtype: for layer_norm the input's or (half
+// inputs) float32, weight and bias alike; rms_norm takes a weight of any floating dtype (its output keeps the
+// input's dtype).
 void check_param(const char* op, const char* name, const Tensor& input, const Tensor& t,
-                 at::IntArrayRef normalized_shape) {
+                 at::IntArrayRef normalized_shape, bool rms) {
   check_same_device(op, name, input, t);
   TORCH_CHECK(t.sizes() == normalized_shape, op, ": expected ", name,
               " to be of same shape as normalized_shape, but got ", name, " of shape ", t.sizes(),
               " and normalized_shape = ", normalized_shape);
   check_float(op, name, t);
+  if (rms) return;
   const ScalarType x = input.scalar_type();
   const bool half_input = x == ScalarType::Half || x == ScalarType::BFloat16;
   TORCH_CHECK(t.scalar_type() == x || (half_input && t.scalar_type() == ScalarType::Float), op,
@@ -84,11 +87,12 @@ NormGeometry geometry(const char* op, const Tensor& input, at::IntArrayRef norma
 }  // namespace
 
 NormGeometry check_forward_args(const char* op, const Tensor& input, at::IntArrayRef normalized_shape,
-                                const OptTensor& weight, const OptTensor& bias, const OptTensor& residual) {
+                                const OptTensor& weight, const OptTensor& bias, const OptTensor& residual,
+                                bool rms) {
   check_float(op, "input", input);
   NormGeometry g = geometry(op, input, normalized_shape);
-  if (weight.has_value()) check_param(op, "weight", input, *weight, normalized_shape);
-  if (bias.has_value()) check_param(op, "bias", input, *bias, normalized_shape);
+  if (weight.has_value()) check_param(op, "weight", input, *weight, normalized_shape, rms);
+  if (bias.has_value()) check_param(op, "bias", input, *bias, normalized_shape, rms);
   if (weight.has_value() && bias.has_value()) {
     TORCH_CHECK(weight->scalar_type() == bias->scalar_type(), op,
                 ": expected weight and bias to have the same dtype, but got weight of dtype ",
@@ -107,7 +111,7 @@ NormGeometry check_forward_args(const char* op, const Tensor& input, at::IntArra
 NormGeometry check_backward_args(const char* op, const Tensor& grad_out, const Tensor& saved,
                                  const OptTensor& mean, const Tensor& rstd, at::IntArrayRef normalized_shape,
                                  const OptTensor& weight, const OptTensor& bias,
-                                 const OptTensor& grad_residual_out, bool saved_is_output) {
+                                 const OptTensor& grad_residual_out, bool saved_is_output, bool rms) {
   check_float(op, "saved", saved);
   check_float(op, "grad_out", grad_out);
   NormGeometry g = geometry(op, saved, normalized_shape);
@@ -119,8 +123,8 @@ NormGeometry check_backward_args(const char* op, const Tensor& grad_out, const T
               ": expected grad_out to have saved's dtype (", saved.scalar_type(),
               ") or a narrower one, but got grad_out of dtype ", grad_out.scalar_type());
   // The weights follow the dtype rule of the forward's input, i.e. of grad_out.
-  if (weight.has_value()) check_param(op, "weight", grad_out, *weight, normalized_shape);
-  if (bias.has_value()) check_param(op, "bias", grad_out, *bias, normalized_shape);
+  if (weight.has_value()) check_param(op, "weight", grad_out, *weight, normalized_shape, rms);
+  if (bias.has_value()) check_param(op, "bias", grad_out, *bias, normalized_shape, rms);
   const ScalarType acc = acc_type_for(saved_is_output ? grad_out.scalar_type() : saved.scalar_type());
   auto check_stat = [&](const char* name, const Tensor& t) {
     check_same_device(op, name, saved, t);

@@ -16,6 +16,20 @@ OptTensor contiguous(const OptTensor& t) {
   return t->contiguous();
 }
 
+// The parameters' dtype the kernels take for rows of input_type: the input's own, or float32 for float16 /
+// bfloat16 inputs. rms_norm accepts weights of any floating dtype (as ATen); the others are converted to this
+// type, O(cols): exactly where it is wider (float16 <-> bfloat16 and either into float32; anything into float64),
+// else (a float64 weight for narrower rows) rounded to float32, the precision the rows are computed in.
+ScalarType kernel_param_type(ScalarType input_type, ScalarType param_type) {
+  const bool half_input = input_type == ScalarType::Half || input_type == ScalarType::BFloat16;
+  return half_input && param_type != input_type ? ScalarType::Float : input_type;
+}
+
+OptTensor as_kernel_param(const OptTensor& t, ScalarType input_type) {
+  if (!t.has_value()) return std::nullopt;
+  return t->to(kernel_param_type(input_type, t->scalar_type())).contiguous();
+}
+
 // An empty placeholder for an output that a variant does not produce (schemas return Tensor, never None).
 Tensor placeholder(const Tensor& like, ScalarType dtype) { return at::empty({0}, like.options().dtype(dtype)); }
 
@@ -58,7 +72,8 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
                            const OptTensor& residual_arg, bool residual_in_fp32, bool rms, double weight_offset,
                            bool cast_before_weight, ForwardLauncher launch, const Destination& dest = {}) {
   const at::IntArrayRef normalized_shape = C10_AS_INTARRAYREF_SLOW(normalized_shape_sym);
-  const NormGeometry g = check_forward_args(op, input_arg, normalized_shape, weight_arg, bias_arg, residual_arg);
+  const NormGeometry g =
+      check_forward_args(op, input_arg, normalized_shape, weight_arg, bias_arg, residual_arg, rms);
   check_weight_offset(op, weight_arg, weight_offset);
   const ScalarType h_type = residual_arg.has_value() ? residual_out_dtype(input_arg, *residual_arg, residual_in_fp32)
                                                      : input_arg.scalar_type();
@@ -84,7 +99,16 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     if (residual_arg.has_value()) {
       check_destination(op, dest.in_place ? "residual" : "residual_out", input_arg, *dest.residual_out, h_type);
     }
-    if (!dest.in_place) {
+    if (dest.in_place) {
+      // input and residual are both written (out and h): no element may be both, nor a parameter that the
+      // kernels read after rows were written.
+      check_no_overlap(op, "input", input_arg, "residual", *residual_arg);
+      const std::pair<const char*, const Tensor*> written[] = {{"input", &input_arg}, {"residual", &*residual_arg}};
+      for (const auto& [name, d] : written) {
+        if (weight_arg.has_value()) check_no_overlap(op, name, *d, "weight", *weight_arg);
+        if (bias_arg.has_value()) check_no_overlap(op, name, *d, "bias", *bias_arg);
+      }
+    } else {
       // The quantized ops may write h over residual itself (the engines' fused add in place): each element of h
       // is written where the same thread read residual's.
       const bool h_over_residual = quant != nullptr && residual_arg.has_value() &&
@@ -113,8 +137,8 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     }
   }
   const Tensor input = input_arg.contiguous();
-  const OptTensor weight = contiguous(weight_arg);
-  const OptTensor bias = contiguous(bias_arg);
+  const OptTensor weight = as_kernel_param(weight_arg, input.scalar_type());
+  const OptTensor bias = as_kernel_param(bias_arg, input.scalar_type());
   const OptTensor residual = contiguous(residual_arg);
 
   ForwardResult r;
@@ -194,6 +218,15 @@ struct BackwardResult {
   Tensor grad_input, grad_weight, grad_bias;
 };
 
+// The gradients in their tensors' own dtypes (the kernels wrote the parameters' in kernel_param_type's, and
+// grad_input in float64 where the backward widened the rows).
+BackwardResult in_arg_dtypes(BackwardResult r, const Tensor& saved, const OptTensor& weight, const OptTensor& bias) {
+  r.grad_input = r.grad_input.to(saved.scalar_type());
+  if (weight.has_value()) r.grad_weight = r.grad_weight.to(weight->scalar_type());
+  if (bias.has_value()) r.grad_bias = r.grad_bias.to(bias->scalar_type());
+  return r;
+}
+
 BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const Tensor& saved_arg,
                              const OptTensor& mean_arg, const Tensor& rstd_arg,
                              c10::SymIntArrayRef normalized_shape_sym, const OptTensor& weight_arg,
@@ -201,14 +234,21 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
                              bool rms, double weight_offset, BackwardLauncher launch) {
   const at::IntArrayRef normalized_shape = C10_AS_INTARRAYREF_SLOW(normalized_shape_sym);
   const NormGeometry g = check_backward_args(op, grad_out_arg, saved_arg, mean_arg, rstd_arg, normalized_shape,
-                                             weight_arg, bias_arg, grad_residual_out_arg, saved_is_output);
+                                             weight_arg, bias_arg, grad_residual_out_arg, saved_is_output, rms);
   check_weight_offset(op, weight_arg, weight_offset);
-  const Tensor grad_out = grad_out_arg.contiguous();
-  const Tensor saved = saved_arg.contiguous();
-  const OptTensor mean = contiguous(mean_arg);
-  const Tensor rstd = rstd_arg.contiguous();
-  const OptTensor weight = contiguous(weight_arg);
-  const OptTensor bias = contiguous(bias_arg);
+  // A float64 parameter with narrower rows (rms_norm's weight): the kernels would take it as float32 and round
+  // its gradient to float32, coarser than ATen's; this backward runs in float64 instead, on rows, gradients and
+  // statistics widened exactly (O(rows * cols), for this pairing only), and grad_input is rounded back.
+  auto is_double = [](const OptTensor& t) { return t.has_value() && t->scalar_type() == ScalarType::Double; };
+  const bool widen = grad_out_arg.scalar_type() != ScalarType::Double && (is_double(weight_arg) || is_double(bias_arg));
+  auto rows_for_kernels = [widen](const Tensor& t) { return (widen ? t.to(ScalarType::Double) : t).contiguous(); };
+  const Tensor grad_out = rows_for_kernels(grad_out_arg);
+  const Tensor saved = rows_for_kernels(saved_arg);
+  const OptTensor mean = mean_arg.has_value() ? OptTensor(rows_for_kernels(*mean_arg)) : std::nullopt;
+  const Tensor rstd = rows_for_kernels(rstd_arg);
+  // The kernels' parameter dtype (grad_out has the forward input's); the gradients go back in each parameter's.
+  const OptTensor weight = as_kernel_param(weight_arg, grad_out.scalar_type());
+  const OptTensor bias = as_kernel_param(bias_arg, grad_out.scalar_type());
   // The kernels read grad_residual_out as the saved rows' dtype (autograd passes exactly that).
   const OptTensor grad_residual_out =
       grad_residual_out_arg.has_value()
@@ -217,15 +257,20 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
 
   BackwardResult r;
   r.grad_input = at::empty(saved.sizes(), saved.options());
+  // An absent parameter's placeholder gradient has the other parameter's dtype (the caller's), else saved's.
+  const ScalarType placeholder_type =
+      weight_arg.has_value() ? weight_arg->scalar_type()
+                             : (bias_arg.has_value() ? bias_arg->scalar_type() : saved_arg.scalar_type());
+  r.grad_weight =
+      weight.has_value() ? at::empty(weight->sizes(), weight->options()) : placeholder(saved, placeholder_type);
+  r.grad_bias = bias.has_value() ? at::empty(bias->sizes(), bias->options()) : placeholder(saved, placeholder_type);
   const ScalarType weight_type = weight.has_value() ? weight->scalar_type()
                                                     : (bias.has_value() ? bias->scalar_type() : saved.scalar_type());
-  r.grad_weight = weight.has_value() ? at::empty(weight->sizes(), weight->options()) : placeholder(saved, weight_type);
-  r.grad_bias = bias.has_value() ? at::empty(bias->sizes(), bias->options()) : placeholder(saved, weight_type);
   if (g.rows == 0 || g.cols == 0) {
     // No rows, or rows of no elements: the parameter gradients are sums over nothing (or empty).
     r.grad_weight.zero_();
     r.grad_bias.zero_();
-    return r;
+    return in_arg_dtypes(std::move(r), saved_arg, weight_arg, bias_arg);
   }
 
   NormBackwardParams p;
@@ -250,7 +295,7 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
   p.saved_is_output = saved_is_output;
   p.weight_offset = weight_offset;
   launch(p);
-  return r;
+  return in_arg_dtypes(std::move(r), saved_arg, weight_arg, bias_arg);
 }
 
 }  // namespace

@@ -49,12 +49,16 @@ def _check_same_device(op: str, name: str, first: Tensor, t: Tensor) -> None:
                   f"and {t.device}! (when checking argument {name})")
 
 
-def _check_param(op: str, name: str, input: Tensor, t: Tensor, normalized_shape: Sequence[int]) -> None:
+def _check_param(op: str, name: str, input: Tensor, t: Tensor, normalized_shape: Sequence[int], rms: bool) -> None:
+    """check_param: rms_norm takes a weight of any floating dtype; layer_norm the input's or (half input)
+    float32."""
     _check_same_device(op, name, input, t)
     if list(t.shape) != list(normalized_shape):
         _fail(op, f"expected {name} to be of same shape as normalized_shape, but got {name} of shape "
                   f"{_sizes(t.shape)} and normalized_shape = {_sizes(normalized_shape)}")
     _check_float(op, name, t)
+    if rms:
+        return
     half_input = input.dtype in _HALF
     if not (t.dtype == input.dtype or (half_input and t.dtype == torch.float32)):
         _fail(op, f"expected {name} to have the input's dtype ({_name(input.dtype)})"
@@ -81,14 +85,15 @@ def check_forward(
     weight: Tensor | None,
     bias: Tensor | None,
     residual: Tensor | None,
+    rms: bool,
 ) -> list[object]:
     """check_forward_args; returns the statistics' shape."""
     _check_float(op, "input", input)
     stats = stat_shape(op, input, normalized_shape)
     if weight is not None:
-        _check_param(op, "weight", input, weight, normalized_shape)
+        _check_param(op, "weight", input, weight, normalized_shape, rms)
     if bias is not None:
-        _check_param(op, "bias", input, bias, normalized_shape)
+        _check_param(op, "bias", input, bias, normalized_shape, rms)
     if weight is not None and bias is not None and weight.dtype != bias.dtype:
         _fail(op, f"expected weight and bias to have the same dtype, but got weight of dtype {_name(weight.dtype)} "
                   f"and bias of dtype {_name(bias.dtype)}")
@@ -183,6 +188,7 @@ def check_backward(
     bias: Tensor | None,
     grad_residual_out: Tensor | None,
     saved_is_output: bool,
+    rms: bool,
 ) -> None:
     """check_backward_args."""
     _check_float(op, "saved", saved)
@@ -196,9 +202,9 @@ def check_backward(
         _fail(op, f"expected grad_out to have saved's dtype ({_name(saved.dtype)}) or a narrower one, but got "
                   f"grad_out of dtype {_name(grad_out.dtype)}")
     if weight is not None:
-        _check_param(op, "weight", grad_out, weight, normalized_shape)
+        _check_param(op, "weight", grad_out, weight, normalized_shape, rms)
     if bias is not None:
-        _check_param(op, "bias", grad_out, bias, normalized_shape)
+        _check_param(op, "bias", grad_out, bias, normalized_shape, rms)
     rows = 1
     for d in stats:
         rows *= d

@@ -237,7 +237,8 @@ def add_layer_norm_(
 ) -> tuple[Tensor, Tensor]:
     """The inference engines' fused add + norm, in place: ``residual = input + residual`` (rounded to residual's
     dtype, which must be h's: the promoted dtype of the two), then ``input = layer_norm(residual)``. Stores no
-    statistics; refuses arguments that require grad. Returns ``(input, residual)``."""
+    statistics; refuses arguments that require grad, and (as ATen refuses writes through overlapping tensors)
+    input and residual that share memory with each other or with weight / bias. Returns ``(input, residual)``."""
     if has_torch_function_variadic(input, residual, weight, bias):
         return handle_torch_function(
             add_layer_norm_, (input, residual, weight, bias), input, residual, normalized_shape, weight, bias, eps,

@@ -5,11 +5,14 @@ They subclass the torch modules, so constructor arguments, attributes, parameter
 and additionally accepts a residual to fuse (pre-norm block). Beyond torch's arguments, the numerics of other
 norm modules (functional.py): ``weight_offset`` (the scale is ``weight + weight_offset``; the weight then starts
 at ``1 - weight_offset``, zeros for Gemma's 1, so that a new module is still the identity scale) and
-``cast_before_weight`` (Llama's order of rounding).
+``cast_before_weight`` (Llama's order of rounding). A ``weight_offset`` needs the weight it offsets: with
+``elementwise_affine=False`` a nonzero one is refused at construction (ValueError), as the functions refuse it
+without a weight.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +33,12 @@ class _Numerics:
     cast_before_weight: bool = False
 
     def _set_numerics(self, memory_efficient: bool, weight_offset: float, cast_before_weight: bool) -> None:
+        # The functions' rule (csrc/norm_checks.cpp), at construction rather than at every forward.
+        if not math.isfinite(weight_offset):
+            raise ValueError(f"{type(self).__name__}: expected a finite weight_offset, but got {weight_offset}")
+        if weight_offset != 0.0 and self.weight is None:
+            raise ValueError(f"{type(self).__name__}: weight_offset={weight_offset} needs a weight (the scale is "
+                             "weight + weight_offset), but got elementwise_affine=False")
         self.memory_efficient = memory_efficient
         self.weight_offset = float(weight_offset)
         self.cast_before_weight = bool(cast_before_weight)

@@ -24,6 +24,11 @@ def residual_out_dtype(input: Tensor, residual: Tensor, residual_in_fp32: bool) 
     return torch.promote_types(dtype, torch.float32) if residual_in_fp32 else dtype
 
 
+def _is_rms(op: str) -> bool:
+    """Whether the op (named as in its errors) is an rms_norm, whose weight may have any floating dtype."""
+    return op.startswith(("rms_norm", "add_rms_norm"))
+
+
 def _stat_dtype(h_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if h_dtype == torch.float64 else torch.float32
 
@@ -42,7 +47,7 @@ def _fake_forward(
     residual_in_fp32: bool,
     weight_offset: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual)
+    stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual, rms=_is_rms(op))
     _checks.check_weight_offset(op, weight, weight_offset)
     h_dtype = input.dtype if residual is None else residual_out_dtype(input, residual, residual_in_fp32)
     out = input.new_empty(input.shape)
@@ -107,7 +112,7 @@ def _layer_norm_bwd_fake(
 ) -> tuple[Tensor, Tensor, Tensor]:
     _checks.check_backward(
         "layer_norm_backward", grad_out, saved, mean, rstd, normalized_shape, weight, bias, grad_residual_out,
-        saved_is_output,
+        saved_is_output, rms=False,
     )
     _checks.check_weight_offset("layer_norm_backward", weight, weight_offset)
     return (
@@ -130,7 +135,7 @@ def _rms_norm_bwd_fake(
 ) -> tuple[Tensor, Tensor]:
     _checks.check_backward(
         "rms_norm_backward", grad_out, saved, None, rstd, normalized_shape, weight, None, grad_residual_out,
-        saved_is_output,
+        saved_is_output, rms=True,
     )
     _checks.check_weight_offset("rms_norm_backward", weight, weight_offset)
     return saved.new_empty(saved.shape), _param_grad_placeholder(saved, weight, None)
@@ -145,7 +150,7 @@ def _fake_into(
     out: Tensor, residual: Tensor | None, residual_out: Tensor | None, residual_in_fp32: bool, weight_offset: float,
     in_place: bool,
 ) -> None:
-    _checks.check_forward(op, input, normalized_shape, weight, bias, residual)
+    _checks.check_forward(op, input, normalized_shape, weight, bias, residual, rms=_is_rms(op))
     _checks.check_weight_offset(op, weight, weight_offset)
     h_dtype = input.dtype if residual is None else residual_out_dtype(input, residual, residual_in_fp32)
     _checks.check_destinations(op, input, out, residual, residual_out, h_dtype, in_place)
@@ -198,7 +203,7 @@ def _fake_quant(
     quant_dtype: torch.dtype, scale: Tensor | None, scale_ub: Tensor | None, residual: Tensor | None,
     residual_in_fp32: bool, weight_offset: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual)
+    stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual, rms=_is_rms(op))
     _checks.check_weight_offset(op, weight, weight_offset)
     _checks.check_quant(op, input, quant_dtype, scale, scale_ub)
     h_dtype = input.dtype if residual is None else residual_out_dtype(input, residual, residual_in_fp32)
@@ -240,7 +245,7 @@ def _fake_quant_into(
     out: Tensor, scale: Tensor | None, scales: Tensor | None, scale_ub: Tensor | None, residual: Tensor | None,
     residual_out: Tensor | None, residual_in_fp32: bool, weight_offset: float,
 ) -> None:
-    stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual)
+    stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual, rms=_is_rms(op))
     _checks.check_weight_offset(op, weight, weight_offset)
     _checks.check_quant(op, input, out.dtype, scale, scale_ub, dtype_of_out=True)
     _checks.check_destination(op, "out", input, out, out.dtype)

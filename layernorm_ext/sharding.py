@@ -15,10 +15,12 @@ strategies are registered when it is first imported (an import hook), or at once
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import inspect
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
 from types import ModuleType
@@ -234,15 +236,22 @@ def register() -> None:
             propagator.register_op_strategy(overload, propagator.op_strategy_funcs[overload], schema_info)
 
 
-def sequence_parallel(sequence_dim: int = 1, use_local_output: bool = False) -> Any:
-    """A ``torch.distributed.tensor.parallel.SequenceParallel`` plan entry for our modules, which also take a
-    residual: every tensor argument is sharded on ``sequence_dim`` (torch's style passes on only the first, so
-    ``norm(x, residual)`` would silently lose its residual), and a tuple output ``(out, residual_out)`` is
-    returned whole (local tensors with ``use_local_output``). For one-argument calls it is torch's style.
-    """
+_EVERY_INPUT_STYLE = "SequenceParallelEveryInput"
+
+
+@functools.cache
+def _every_input_style() -> type:
+    """SequenceParallelEveryInput, made once, on first use: its base class lives in
+    torch.distributed.tensor.parallel, which this module must not import before it is needed. It is a module
+    attribute all the same (this module's __getattr__), so that pickle finds the class by name, as it finds
+    torch's SequenceParallel."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
-    class _EveryInput(SequenceParallel):
+    class SequenceParallelEveryInput(SequenceParallel):
+        """SequenceParallel for every tensor argument and each output of a tuple (sequence_parallel())."""
+
+        __qualname__ = _EVERY_INPUT_STYLE  # a module attribute, not a local of this function
+
         @staticmethod
         def _prepare_input_fn(sequence_sharding: Any, mod: Any, inputs: Any, device_mesh: Any) -> Any:
             return tuple(
@@ -258,7 +267,23 @@ def sequence_parallel(sequence_dim: int = 1, use_local_output: bool = False) -> 
                 return tuple(each(use_local_output, mod, o, device_mesh) for o in outputs)
             return each(use_local_output, mod, outputs, device_mesh)
 
-    return _EveryInput(sequence_dim=sequence_dim, use_local_output=use_local_output)
+    return SequenceParallelEveryInput
+
+
+def __getattr__(name: str) -> Any:
+    if name == _EVERY_INPUT_STYLE:
+        return _every_input_style()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def sequence_parallel(sequence_dim: int = 1, use_local_output: bool = False) -> Any:
+    """A ``torch.distributed.tensor.parallel.SequenceParallel`` plan entry for our modules, which also take a
+    residual: every tensor argument is sharded on ``sequence_dim`` (torch's style passes on only the first, so
+    ``norm(x, residual)`` would silently lose its residual), and a tuple output ``(out, residual_out)`` is
+    returned whole (local tensors with ``use_local_output``). For one-argument calls it is torch's style. Its
+    class is one (SequenceParallelEveryInput), and its instances pickle as torch's do.
+    """
+    return _every_input_style()(sequence_dim=sequence_dim, use_local_output=use_local_output)
 
 
 def _register_or_warn() -> None:
@@ -267,42 +292,27 @@ def _register_or_warn() -> None:
     try:
         register()
     except Exception as err:  # noqa: BLE001  (any failure of private DTensor APIs)
-        warnings.warn(
-            f"layernorm_ext: could not register DTensor sharding strategies ({type(err).__name__}: {err}); "
-            "layernorm_ext ops will not accept DTensor inputs",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-
-
-class _RegisterAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds torch.distributed.tensor as the other finders do, and registers the strategies once it is loaded.
-
-    It leaves sys.meta_path when the module has been executed, not when it is looked up, so a look-up alone
-    (importlib.util.find_spec) does not disarm it."""
-
-    def __init__(self) -> None:
-        self._loader: Any = None
-        self._searching = False
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _DTENSOR_MODULE or self._searching:
-            return None
-        self._searching = True  # the other finders are asked below; this one must not answer itself
+        message = (f"layernorm_ext: could not register DTensor sharding strategies ({type(err).__name__}: {err}); "
+                   "layernorm_ext ops will not accept DTensor inputs")
         try:
-            spec = None
-            for finder in sys.meta_path:
-                if finder is not self and hasattr(finder, "find_spec"):
-                    spec = finder.find_spec(fullname, path, target)
-                    if spec is not None:
-                        break
-        finally:
-            self._searching = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        self._loader = spec.loader
-        spec.loader = self
-        return spec
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        except Exception:  # noqa: BLE001  (warnings made errors, -W error: the import still must not fail)
+            sys.stderr.write(f"RuntimeWarning: {message}\n")
+
+
+class _RegisteringLoader:
+    """The loader of torch.distributed.tensor's spec while the hook is armed: the module's own loader in every
+    respect (is_package, get_code, get_resource_reader, ... pass through to it), but exec_module also registers
+    the strategies once the module has run."""
+
+    def __init__(self, loader: Any, hook: _RegisterAfterImport) -> None:
+        self._loader = loader
+        self._hook = hook
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("_loader", "_hook"):  # not yet set (copy, pickle): no endless look-up through self._loader
+            raise AttributeError(name)
+        return getattr(self._loader, name)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
@@ -314,8 +324,39 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             module.__spec__.loader = self._loader
         self._loader.exec_module(module)
         with contextlib.suppress(ValueError):  # fire once
-            sys.meta_path.remove(self)
+            sys.meta_path.remove(self._hook)
         _register_or_warn()
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Finds torch.distributed.tensor as the other finders do, with a loader that registers the strategies once
+    the module is loaded.
+
+    It leaves sys.meta_path when the module has been executed, not when it is looked up, so a look-up alone
+    (importlib.util.find_spec) does not disarm it."""
+
+    def __init__(self) -> None:
+        # Set while this thread asks the other finders (which may ask sys.meta_path again): this finder must not
+        # answer itself then; other threads' look-ups are answered as usual.
+        self._searching = threading.local()
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _DTENSOR_MODULE or getattr(self._searching, "active", False):
+            return None
+        self._searching.active = True
+        try:
+            spec = None
+            for finder in sys.meta_path:
+                if finder is not self and hasattr(finder, "find_spec"):
+                    spec = finder.find_spec(fullname, path, target)
+                    if spec is not None:
+                        break
+        finally:
+            self._searching.active = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _RegisteringLoader(spec.loader, self)
+        return spec
 
 
 def register_when_imported() -> None:

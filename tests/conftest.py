@@ -7,8 +7,11 @@ the result dtype at the reference's largest magnitude.
 
 from __future__ import annotations
 
+import itertools
 import os
+import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -47,7 +50,49 @@ DTYPE_PAIRS: tuple[tuple[torch.dtype, torch.dtype], ...] = (
     (torch.bfloat16, torch.float32),
 )
 
-__all__ = ["CPU_ISAS", "DEVICES", "DTYPE_PAIRS", "assert_no_worse_than_aten", "ulp_atol"]
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class DtypeTriple:
+    """One (input, weight, bias) dtype combination of a norm (None: no such argument); ``result`` is the dtype
+    of ATen's output, None where ATen refuses the combination."""
+
+    rms: bool
+    input: torch.dtype
+    weight: torch.dtype | None
+    bias: torch.dtype | None
+    result: torch.dtype | None
+
+
+def _aten_dtype_triples() -> tuple[DtypeTriple, ...]:
+    """Every (input, weight, bias) dtype triple over FLOAT_DTYPES (and None for the parameters), with what the
+    running torch's F.layer_norm / F.rms_norm on the CPU make of it (rms_norm has no bias)."""
+    triples = []
+    params = (*FLOAT_DTYPES, None)
+    for rms in (False, True):
+        for x_dtype, w_dtype, b_dtype in itertools.product(FLOAT_DTYPES, params, (None,) if rms else params):
+            x = torch.ones(2, 3, dtype=x_dtype)
+            w = None if w_dtype is None else torch.ones(3, dtype=w_dtype)
+            b = None if b_dtype is None else torch.zeros(3, dtype=b_dtype)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # rms_norm's "Mismatch dtype between input and weight"
+                    y = torch.nn.functional.rms_norm(x, (3,), w) if rms else torch.nn.functional.layer_norm(
+                        x, (3,), w, b)
+                result: torch.dtype | None = y.dtype
+            except RuntimeError:
+                result = None
+            triples.append(DtypeTriple(rms, x_dtype, w_dtype, b_dtype, result))
+    return tuple(triples)
+
+
+ATEN_DTYPE_TRIPLES: tuple[DtypeTriple, ...] = _aten_dtype_triples()
+
+__all__ = [
+    "ATEN_DTYPE_TRIPLES", "CPU_ISAS", "DEVICES", "DTYPE_PAIRS", "FLOAT_DTYPES", "DtypeTriple",
+    "assert_no_worse_than_aten", "ulp_atol",
+]  # fmt: skip
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

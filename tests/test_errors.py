@@ -105,15 +105,16 @@ FWD_CASES = [
     FwdCase("weight_bias_dtypes_differ", r"expected weight and bias to have the same dtype, but got weight of "
             r"dtype BFloat16 and bias of dtype Float", lambda: _t(4, 8, dtype=torch.bfloat16), [8],
             weight=lambda: _t(8, dtype=torch.bfloat16), bias=lambda: _t(8), kinds=("ln",)),
+    # rms_norm takes a weight of any floating dtype, as ATen's (tests/test_dtypes.py holds every triple).
     FwdCase("fp32_input_bf16_weight", r"expected weight to have the input's dtype \(Float\), but got weight of "
-            r"dtype BFloat16", lambda: _t(4, 8), [8], weight=lambda: _t(8, dtype=torch.bfloat16)),
+            r"dtype BFloat16", lambda: _t(4, 8), [8], weight=lambda: _t(8, dtype=torch.bfloat16), kinds=("ln",)),
     FwdCase("fp32_input_fp64_weight", r"expected weight to have the input's dtype \(Float\), but got weight of "
-            r"dtype Double", lambda: _t(4, 8), [8], weight=lambda: _t(8, dtype=torch.float64)),
+            r"dtype Double", lambda: _t(4, 8), [8], weight=lambda: _t(8, dtype=torch.float64), kinds=("ln",)),
     FwdCase("fp16_input_fp64_weight", r"expected weight to have the input's dtype \(Half\) or float32, but got "
             r"weight of dtype Double", lambda: _t(4, 8, dtype=torch.float16), [8],
-            weight=lambda: _t(8, dtype=torch.float64)),
+            weight=lambda: _t(8, dtype=torch.float64), kinds=("ln",)),
     FwdCase("bf16_input_fp16_weight", r"expected weight to have the input's dtype \(BFloat16\) or float32",
-            lambda: _t(4, 8, dtype=torch.bfloat16), [8], weight=lambda: _t(8, dtype=torch.float16)),
+            lambda: _t(4, 8, dtype=torch.bfloat16), [8], weight=lambda: _t(8, dtype=torch.float16), kinds=("ln",)),
     FwdCase("fp32_input_bf16_bias", r"expected bias to have the input's dtype \(Float\)",
             lambda: _t(4, 8), [8], bias=lambda: _t(8, dtype=torch.bfloat16), kinds=("ln",)),
     FwdCase("weight_on_meta", SAME_DEVICE + r".*argument weight", lambda: _t(4, 8), [8], weight=lambda: _meta(8)),
@@ -362,7 +363,7 @@ BWD_CASES: list[tuple[str, BwdMutation, str, tuple[str, ...]]] = [
     ("bias_wrong_shape", _set(bias=lambda a: _t(4)),
      r"expected bias to be of same shape as normalized_shape", ("ln",)),
     ("weight_wrong_dtype", _set(weight=lambda a: a.weight.bfloat16()),
-     r"expected weight to have the input's dtype \(Float\)", ("ln", "rms")),
+     r"expected weight to have the input's dtype \(Float\)", ("ln",)),  # rms_norm takes any
     ("weight_int", _set(weight=lambda a: _t(8, dtype=torch.int64)),
      r"expected weight to be a floating point tensor", ("ln", "rms")),
     ("saved_is_output_dtype_mismatch",
@@ -407,6 +408,34 @@ def test_backward_stats_follow_fp64_rows(kind: str) -> None:
     args.rstd = args.rstd.float()
     with pytest.raises(RuntimeError, match=r"expected rstd of dtype Double, but got Float"):
         _call_bwd(kind, args)
+
+
+_IN_PLACE_OVERLAPS = {
+    # name: (input, residual, weight) from one buffer of 5 rows of 8; ATen refuses writes through overlapping
+    # tensors. input and residual are both written (out and h).
+    "rows_0_4_and_1_5": (lambda b: b[0:4], lambda b: b[1:5], lambda b: None, "input shares memory with residual"),
+    "same_rows": (lambda b: b[0:4], lambda b: b[0:4], lambda b: None, "input shares memory with residual"),
+    "weight_in_input": (lambda b: b[0:4], lambda b: b[4:5].expand(4, 8).clone(), lambda b: b[2],
+                        "input shares memory with weight"),
+    "weight_in_residual": (lambda b: b[0:4].clone(), lambda b: b[0:4], lambda b: b[3],
+                           "residual shares memory with weight"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("overlap", list(_IN_PLACE_OVERLAPS))
+@pytest.mark.parametrize("kind", ["ln", "rms"])
+def test_in_place_refuses_overlapping_arguments(overlap: str, kind: str, device: str) -> None:
+    make_input, make_residual, make_weight, match = _IN_PLACE_OVERLAPS[overlap]
+    buf = _t(5, 8, device=device)
+    before = buf.clone()
+    x, r, w = make_input(buf), make_residual(buf), make_weight(buf)
+    op = "add_layer_norm_" if kind == "ln" else "add_rms_norm_"
+    with pytest.raises(RuntimeError, match=rf"{op}: {match}"):
+        if kind == "ln":
+            layernorm_ext.add_layer_norm_(x, r, [8], w)
+        else:
+            layernorm_ext.add_rms_norm_(x, r, [8], w)
+    assert torch.equal(buf, before)  # refused before anything was written
 
 
 def test_library_still_works_after_errors() -> None:

@@ -7,6 +7,7 @@ accuracy rule against the torch module, and ``memory_efficient=True`` must not c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import pytest
@@ -419,3 +420,18 @@ def test_memory_efficient_with_residual(device: str, kind: str) -> None:
     grad = _randn((17, 48), gen, torch.float32, device)
     for a, b in zip(_grads_of(eff, x, grad, r), _grads_of(plain, x, grad, r)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("module", [FusedLayerNorm, FusedRMSNorm], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("weight_offset", [1.0, -0.5, float("inf"), float("nan")])
+def test_weight_offset_needs_a_weight_at_construction(module: type, weight_offset: float) -> None:
+    """A nonzero weight_offset without a weight (elementwise_affine=False), or a non-finite one, is refused when
+    the module is built (every forward would raise), with the functions' words."""
+    words = "needs a weight" if math.isfinite(weight_offset) else "expected a finite weight_offset"
+    with pytest.raises(ValueError, match=rf"{module.__name__}: .*{words}"):
+        module(7, elementwise_affine=False, weight_offset=weight_offset)
+    if words == "needs a weight":  # with a weight it is the offset of that weight; without an offset, no weight
+        x = torch.randn(3, 7)
+        with_weight = module(7, weight_offset=weight_offset)
+        assert with_weight(x).shape == x.shape
+        assert module(7, elementwise_affine=False, weight_offset=0.0)(x).shape == x.shape

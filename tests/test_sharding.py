@@ -87,6 +87,90 @@ print([str(w.message) for w in caught if "sharding strategies" in str(w.message)
     assert "could not register DTensor sharding strategies (AttributeError: no such API)" in proc.stdout
 
 
+def _python_warnings_as_errors(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_a_failing_registration_never_breaks_dtensor_under_warnings_as_errors() -> None:
+    """With -W error the failure's warning is an exception: it must not become the import's."""
+    code = """
+import layernorm_ext.sharding as sharding
+def broken():
+    raise AttributeError("no such API")
+sharding.register = broken
+import torch.distributed.tensor
+from torch.distributed.tensor import DTensor
+print("imported")
+"""
+    proc = _python_warnings_as_errors(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "imported"
+    assert "could not register DTensor sharding strategies (AttributeError: no such API)" in proc.stderr
+
+
+def test_a_look_up_gets_the_modules_own_loader_api() -> None:
+    """find_spec before the first import: the spec's loader answers what the module's own loader answers
+    (runpy, pkgutil and inspect ask is_package, get_code, get_source), and the import still registers."""
+    code = """
+import importlib.util
+import layernorm_ext
+name = "torch.distributed.tensor"
+spec = importlib.util.find_spec(name)
+print(spec.loader.is_package(name), type(spec.loader.get_code(name)).__name__,
+      "DTensor" in spec.loader.get_source(name))
+import torch.distributed.tensor
+print(type(torch.distributed.tensor.__spec__.loader).__name__ == type(spec.loader._loader).__name__)
+"""
+    proc = _python(code + REGISTERED)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:3] == ["True code True", "True", ALL_OPS], proc.stdout
+
+
+def test_the_hook_answers_every_thread() -> None:
+    """While one thread's look-up asks the other finders (here parked in a slow one), an import on another
+    thread still goes through the hook and registers."""
+    code = """
+import sys, threading
+import layernorm_ext.sharding as sharding
+hook = next(f for f in sys.meta_path if isinstance(f, sharding._RegisterAfterImport))
+parked, release = threading.Event(), threading.Event()
+class Slow:
+    def find_spec(self, name, path, target=None):
+        if threading.current_thread().name == "slow" and name == "torch.distributed.tensor":
+            parked.set()
+            release.wait(30)
+        return None
+sys.meta_path.insert(1, Slow())
+slow = threading.Thread(target=hook.find_spec, args=("torch.distributed.tensor", None), name="slow")
+slow.start()
+assert parked.wait(30)
+import torch.distributed.tensor
+release.set()
+slow.join()
+"""
+    proc = _python(code + REGISTERED)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ALL_OPS, proc.stdout
+
+
+def test_sequence_parallel_pickles_as_torchs_style() -> None:
+    """One class for every call, a module attribute, so that the style pickles (torch's SequenceParallel does);
+    the copy keeps its settings and its class."""
+    code = """
+import pickle
+from layernorm_ext.sharding import sequence_parallel
+from torch.distributed.tensor.parallel import SequenceParallel
+torchs = pickle.loads(pickle.dumps(SequenceParallel(sequence_dim=0)))
+style = sequence_parallel(sequence_dim=0, use_local_output=True)
+copy = pickle.loads(pickle.dumps(style))
+print(type(style) is type(sequence_parallel()), type(copy) is type(style), isinstance(copy, SequenceParallel))
+print(copy.sequence_sharding == torchs.sequence_sharding, copy.use_local_output)
+"""
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["True True True", "True True"], proc.stdout
+
+
 def test_cache_key_holds_normalized_shape() -> None:
     """DTensor reuses a strategy for equal input specs and equal arguments from static_argnum on: that must
     include normalized_shape, or (4, 6, 16) sharded on dim 1 would stay sharded when (6, 16) is normalized."""
