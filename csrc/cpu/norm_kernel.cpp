@@ -236,16 +236,29 @@ void for_each_range(int64_t cols, const Fn& fn) {
   });
 }
 
-// Runs sums_of(c0, c1, out[K]) over the ranges of a row and adds the ranges' results in order.
+// The sums of ranges [begin, end) of partial (K sums per range), added pairwise (halves, recursively): the
+// rounding error grows with log(ranges), as within a range (rows_simd.h, PairwiseSums).
+template <int K>
+std::array<double, K> pairwise_total(const std::vector<double>& partial, int64_t begin, int64_t end) {
+  if (end - begin == 1) {
+    std::array<double, K> one;
+    for (int k = 0; k < K; ++k) one[k] = partial[K * begin + k];
+    return one;
+  }
+  const int64_t middle = begin + (end - begin) / 2;
+  std::array<double, K> total = pairwise_total<K>(partial, begin, middle);
+  const std::array<double, K> right = pairwise_total<K>(partial, middle, end);
+  for (int k = 0; k < K; ++k) total[k] += right[k];
+  return total;
+}
+
+// Runs sums_of(c0, c1, out[K]) over the ranges of a row and adds the ranges' results in a fixed order.
 template <int K, typename Fn>
 std::array<double, K> ordered_sums(int64_t cols, const Fn& sums_of) {
-  std::vector<double> partial(K * ((cols + kSegmentCols - 1) / kSegmentCols));
+  const int64_t ranges = (cols + kSegmentCols - 1) / kSegmentCols;
+  std::vector<double> partial(K * ranges);
   for_each_range(cols, [&](int64_t s, int64_t c0, int64_t c1) { sums_of(c0, c1, &partial[K * s]); });
-  std::array<double, K> total{};
-  for (size_t s = 0; s < partial.size(); s += K) {
-    for (int k = 0; k < K; ++k) total[k] += partial[s + k];
-  }
-  return total;
+  return pairwise_total<K>(partial, 0, ranges);
 }
 
 template <typename C>
