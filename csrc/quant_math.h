@@ -1,11 +1,17 @@
 // The arithmetic of the quantized outputs (the *_norm_quant ops), shared by the CPU and the CUDA kernels so that
-// both give the same bits, and written out so that a composite PyTorch reference reproduces it exactly:
+// both give the same bits, and written out so that a composite PyTorch reference reproduces it exactly. It is
+// vLLM's, bit for bit (csrc/layernorm_quant_kernels.cu, csrc/quantization/fused_kernels, the int8 kernels):
 //   y      = the norm's output rounded to the input dtype (what the unquantized op returns), as float32
-//   static:  inv = 1 / scale
 //   dynamic: absmax = max |y| over the row (NaN when the row holds a NaN), capped at scale_ub when given;
-//            scale = max(absmax / qmax, min_scale), stored per row; inv = 1 / scale
-//   code   = float8_e4m3fn: y * inv clamped to [-448, 448], rounded to nearest even (NaN stays NaN);
-//            int8: y * inv clamped to [-128, 127], rounded to nearest even, NaN gives 0.
+//            scale = max(absmax / qmax, min_scale), stored per row
+//   v      = y scaled as vLLM scales on each path (scaling() below):
+//            float8_e4m3fn static: y * (1 / scale)   (rms_norm_static_fp8_quant, fused_add_rms_norm_static_fp8_quant)
+//            float8_e4m3fn dynamic: y / scale        (rms_norm_dynamic_per_token_quant: "for exact match with FBGemm")
+//            int8 static: y / scale                  (static_scaled_int8_quant)
+//            int8 dynamic: y * (1 / scale)           (rms_norm_dynamic_per_token_quant)
+//   code   = float8_e4m3fn: v clamped to [-448, 448], rounded to nearest even (NaN stays NaN: vLLM's fmin / fmax
+//            clamp turns it into 448);
+//            int8: v clamped to [-128, 127], rounded to nearest even, NaN gives 0 (as cvt.rni.sat.s8.f32).
 // min_scale (vLLM's): 1 / (448 * 512) for float8_e4m3fn, float32's epsilon for int8, so that a row of zeros
 // gets a positive scale and codes 0.
 // Plain C++ (no torch header): the CPU instruction-set objects include it; every function has internal linkage.
@@ -74,6 +80,21 @@ LNX_QUANT_FN float dynamic_scale(float absmax, const float* ub, bool int8) {
   const float min_scale = int8 ? kInt8MinScale : kFp8MinScale;
   return scale < min_scale ? min_scale : scale;
 }
+
+// How a row's y is scaled before encoding (the table above): by factor, which is the scale where the path
+// divides and 1 / scale (rounded once, per row) where it multiplies. The same float operations as vLLM's, so
+// the same codes at the ties where the two differ.
+struct Scaling {
+  float factor;
+  bool divide;
+};
+
+LNX_QUANT_FN Scaling scaling(float scale, bool is_static, bool int8) {
+  const bool divide = is_static == int8;
+  return {divide ? scale : 1.0f / scale, divide};
+}
+
+LNX_QUANT_FN float scaled(float y, Scaling s) { return s.divide ? y / s.factor : y * s.factor; }
 
 }  // namespace quant
 }  // namespace layernorm_ext

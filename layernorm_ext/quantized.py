@@ -3,15 +3,33 @@
 The engines' ``rms_norm_static_fp8_quant`` / ``fused_add_rms_norm_static_fp8_quant`` (a static scale) and
 ``rms_norm_dynamic_per_token_quant`` (a scale per row, from the row's absmax, computed in the same pass), for
 LayerNorm and RMSNorm, every input dtype, CPU and CUDA. Each function is one call of
-``torch.ops.layernorm_ext.layer_norm_quant`` / ``rms_norm_quant`` (csrc/quant_math.h has the arithmetic):
+``torch.ops.layernorm_ext.layer_norm_quant`` / ``rms_norm_quant`` (csrc/quant_math.h has the arithmetic), which
+is vLLM's, bit for bit, given the norm's output:
 
 - ``y`` is what the unquantized function returns (rounded to the input dtype), taken as float32;
-- static: ``codes = encode(y * (1 / scale))``; dynamic: ``absmax = max |y|`` over the row (NaN if the row holds
-  a NaN), capped at ``scale_ub`` when given, ``scale = max(absmax / qmax, min_scale)``, ``codes = encode(y *
-  (1 / scale))``; qmax is 448 (float8_e4m3fn) or 127 (int8), min_scale 1 / (448 * 512) or float32's epsilon, so
-  that a row of zeros gets codes 0 and a positive scale;
+- dynamic: ``absmax = max |y|`` over the row (NaN if the row holds a NaN), capped at ``scale_ub`` when given,
+  ``scale = max(absmax / qmax, min_scale)``; qmax is 448 (float8_e4m3fn) or 127 (int8), min_scale
+  1 / (448 * 512) or float32's epsilon, so that a row of zeros gets codes 0 and a positive scale;
+- the scaled value is ``y * (1 / scale)`` (the reciprocal rounded once) for static float8_e4m3fn and dynamic
+  int8, ``y / scale`` for dynamic float8_e4m3fn and static int8: as vLLM's kernels do (its dynamic fp8 path
+  divides "for exact match with FBGemm", its static int8 quantization divides too); the two differ by one
+  code step at rounding ties (41 to 168 of the 262144 dynamic fp8 codes of a 64 x 4096 bf16 activation);
 - float8_e4m3fn: clamp to [-448, 448] (saturating: an infinity gives +-448), round to nearest even, NaN stays
   NaN; int8: clamp to [-128, 127], round half to even, NaN gives 0.
+
+Where engines (and vLLM's own kernels) disagree, and what this module does:
+
+- the norm's output: vLLM rounds ``x * rstd`` to the input dtype before the weight (``cast_before_weight=True``
+  here; the default follows ATen's ``rms_norm``, weight applied in float32), and sums its float32 squares in
+  its own order with ``rsqrtf``, so rstd itself may differ by an ulp;
+- with a residual: vLLM's static kernel (``fused_add_rms_norm_static_fp8_quant``) normalizes ``h = input +
+  residual`` rounded to the input dtype (the default here); its dynamic kernel normalizes the unrounded
+  float32 sum but stores the rounded one (``residual_in_fp32=True`` here normalizes the float32 sum, and
+  returns it as float32);
+- NaN: vLLM's absmax (fmaxf) skips NaN and its float8 clamp (fmin / fmax) turns a NaN into 448; here a NaN
+  makes the row's scale NaN and its float8 code NaN (int8: 0 in both), so that it is not hidden;
+- vLLM's standalone ``dynamic_scaled_int8_quant`` (no norm) multiplies by ``127 / absmax`` and has no
+  min_scale; ``scale_ub`` there is float8 only, here either dtype.
 
 ``codes.float() * scale`` dequantizes (the dynamic scales are shaped as the rows with a 1 for each normalized
 dim, so they broadcast). They store no statistics and, like the other inference ops, refuse arguments that
@@ -20,7 +38,8 @@ require grad while grad mode is on.
 With ``out=`` (vLLM's convention: the codes' buffer, whose dtype is the quantized one), ``scales=`` (the dynamic
 scales' buffer) and, for the residual variants, ``residual_out=`` (h's buffer, which may be ``residual`` itself:
 vLLM's ``fused_add_rms_norm_static_fp8_quant`` updates the residual in place), nothing is allocated
-(``torch.ops.layernorm_ext.layer_norm_quant_into`` / ``rms_norm_quant_into``).
+(``torch.ops.layernorm_ext.layer_norm_quant_into`` / ``rms_norm_quant_into``). ``quant_dtype`` may then be
+left out; given, it must be out's dtype.
 """
 
 from __future__ import annotations
@@ -35,7 +54,8 @@ from .functional import ShapeLike, _as_shape
 _ops = torch.ops.layernorm_ext
 
 _ARGS_DOC = """
-    ``quant_dtype``: torch.float8_e4m3fn (default) or torch.int8. ``scale``: a float32 tensor of one element
+    ``quant_dtype``: torch.float8_e4m3fn or torch.int8; by default out's dtype with ``out=``, else
+    torch.float8_e4m3fn. ``scale``: a float32 tensor of one element
     on the input's device, the static scale; without it each row gets its own scale, capped by ``scale_ub`` (a
     float32 tensor of one element) when given. ``weight_offset`` / ``cast_before_weight`` as in
     :func:`layernorm_ext.layer_norm`. The scales are not checked for being positive and finite (on CUDA that
@@ -51,14 +71,26 @@ def _into_only(op: str, out: Tensor | None, **buffers: Tensor | None) -> None:
                 _fail(op, f"{name}= goes with out= (the codes' buffer)")
 
 
+def _quant_dtype(op: str, quant_dtype: torch.dtype | None, out: Tensor | None) -> torch.dtype:
+    """The codes' dtype: out's (a quant_dtype that contradicts it is refused, not ignored), else quant_dtype or
+    float8_e4m3fn."""
+    if out is None:
+        return torch.float8_e4m3fn if quant_dtype is None else quant_dtype
+    if quant_dtype is not None and quant_dtype != out.dtype:
+        _fail(op, f"quant_dtype={quant_dtype} contradicts out's dtype {out.dtype} (the codes' buffer); give one "
+                  "of them, or the same")
+    return out.dtype
+
+
 def _layer_norm_quant(
     op_name: str, input: Tensor, normalized_shape: ShapeLike, weight: Tensor | None, bias: Tensor | None,
-    eps: float, residual: Tensor | None, residual_in_fp32: bool, quant_dtype: torch.dtype, scale: Tensor | None,
+    eps: float, residual: Tensor | None, residual_in_fp32: bool, quant_dtype: torch.dtype | None, scale: Tensor | None,
     scale_ub: Tensor | None, weight_offset: float, cast_before_weight: bool, out: Tensor | None,
     scales: Tensor | None, residual_out: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The one call of every LayerNorm function: into the buffers (out=) or allocating; (codes, scale, h)."""
     _into_only(op_name, out, scales=scales, residual_out=residual_out)
+    quant_dtype = _quant_dtype(op_name, quant_dtype, out)
     shape = _as_shape(normalized_shape)
     if out is not None:
         _ops.layer_norm_quant_into.default(
@@ -76,12 +108,13 @@ def _layer_norm_quant(
 
 def _rms_norm_quant(
     op_name: str, input: Tensor, normalized_shape: ShapeLike, weight: Tensor | None, eps: float | None,
-    residual: Tensor | None, residual_in_fp32: bool, quant_dtype: torch.dtype, scale: Tensor | None,
+    residual: Tensor | None, residual_in_fp32: bool, quant_dtype: torch.dtype | None, scale: Tensor | None,
     scale_ub: Tensor | None, weight_offset: float, cast_before_weight: bool, out: Tensor | None,
     scales: Tensor | None, residual_out: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The one call of every RMSNorm function (see _layer_norm_quant)."""
     _into_only(op_name, out, scales=scales, residual_out=residual_out)
+    quant_dtype = _quant_dtype(op_name, quant_dtype, out)
     shape = _as_shape(normalized_shape)
     if out is not None:
         _ops.rms_norm_quant_into.default(
@@ -104,7 +137,7 @@ def layer_norm_quant(
     bias: Tensor | None = None,
     eps: float = 1e-5,
     *,
-    quant_dtype: torch.dtype = torch.float8_e4m3fn,
+    quant_dtype: torch.dtype | None = None,
     scale: Tensor | None = None,
     scale_ub: Tensor | None = None,
     weight_offset: float = 0.0,
@@ -127,7 +160,7 @@ def rms_norm_quant(
     weight: Tensor | None = None,
     eps: float | None = None,
     *,
-    quant_dtype: torch.dtype = torch.float8_e4m3fn,
+    quant_dtype: torch.dtype | None = None,
     scale: Tensor | None = None,
     scale_ub: Tensor | None = None,
     weight_offset: float = 0.0,
@@ -152,7 +185,7 @@ def add_layer_norm_quant(
     bias: Tensor | None = None,
     eps: float = 1e-5,
     *,
-    quant_dtype: torch.dtype = torch.float8_e4m3fn,
+    quant_dtype: torch.dtype | None = None,
     scale: Tensor | None = None,
     scale_ub: Tensor | None = None,
     residual_in_fp32: bool = False,
@@ -177,7 +210,7 @@ def add_rms_norm_quant(
     weight: Tensor | None = None,
     eps: float | None = None,
     *,
-    quant_dtype: torch.dtype = torch.float8_e4m3fn,
+    quant_dtype: torch.dtype | None = None,
     scale: Tensor | None = None,
     scale_ub: Tensor | None = None,
     residual_in_fp32: bool = False,

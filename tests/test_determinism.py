@@ -18,8 +18,10 @@ from layernorm_ext import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 _INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
              torch.bfloat16: torch.int16}
 
-# Many short rows (many dweight chunks), mid rows, and a few very long rows (split into column ranges).
-SHAPES = [(3000, 257), (64, 4096), (2, 1 << 17)]
+# Many short rows (many dweight chunks), mid rows, a few very long rows (split into column ranges), and long
+# rows in fewer dweight chunks than column ranges (the backward splits their columns: under 16 rows of 2^16,
+# or rows over 2^18, one chunk).
+SHAPES = [(3000, 257), (64, 4096), (2, 1 << 17), (12, 1 << 16), (5, (1 << 18) + 3)]
 # (input dtype, parameter dtype)
 DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)]
 
@@ -124,6 +126,35 @@ def test_memory_efficient_deterministic(device: str, kind: str) -> None:
             with _num_threads(threads):
                 got = _forward_backward(kind, False, True, data)
             _assert_same_bits(first, got, names, f"{threads} thread(s)")
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(12, 1 << 16), (5, (1 << 18) + 3)], ids=["12x65536", "5x262147"])
+@pytest.mark.parametrize("kind", ["ln", "rms"])
+def test_long_rows_backward_splits_columns(kind: str, rows: int, cols: int) -> None:
+    """Long rows in fewer dweight chunks than column ranges: the backward runs each row's column ranges in
+    parallel, as for one row alone (not the rows on one thread). Seen in the bits: each row's grad_input is the
+    same as from a backward of that row alone (which always splits), on 1 and 2 threads."""
+    ops = torch.ops.layernorm_ext
+    data = _inputs(rows, cols, torch.float32, torch.float32, "cpu")
+    x, w, b, g = data["x"], data["w"], data["b"], data["g_out"]
+
+    if kind == "ln":
+        _, _, mean, rstd = ops.layer_norm_fwd(x, [cols], w, b, 1e-5)
+    else:
+        _, _, rstd = ops.rms_norm_fwd(x, [cols], w, 1e-6)
+
+    def grad_input(i0: int, i1: int) -> Tensor:
+        if kind == "ln":
+            return ops.layer_norm_bwd(g[i0:i1], x[i0:i1], mean[i0:i1], rstd[i0:i1], [cols], w, b)[0]
+        return ops.rms_norm_bwd(g[i0:i1], x[i0:i1], rstd[i0:i1], [cols], w)[0]
+
+    for threads in (1, 2):
+        with _num_threads(threads):
+            batch = grad_input(0, rows)
+            for i in range(rows):
+                assert torch.equal(_bits(batch[i : i + 1]), _bits(grad_input(i, i + 1))), (
+                    f"row {i} of {rows}, {threads} thread(s): grad_input differs from the row's own backward"
+                )
 
 
 def test_thread_count_restored() -> None:

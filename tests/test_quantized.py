@@ -1,8 +1,11 @@
 """Quantized output (layernorm_ext.quantized; ops layer_norm_quant / rms_norm_quant).
 
-Held to a composite PyTorch reference (norm, scale, clamp, round / cast) in two ways:
+Held to a composite PyTorch reference of vLLM's arithmetic (scale, divide or multiply by the reciprocal as vLLM
+does on each path, clamp, round / cast) in two ways:
 - applied to our own unquantized output, the codes and the scales must be the same bits (the quantized ops run
-  the same kernels, then the arithmetic of csrc/quant_math.h, which the reference spells out in torch ops);
+  the same kernels, then the arithmetic of csrc/quant_math.h, which the reference spells out in torch ops); the
+  values at the codes' rounding ties, where dividing and multiplying by the reciprocal part, are probed on
+  every path, and a 64 x 4096 serving activation is held to vLLM's order of the norm too;
 - applied to ATen's output, the codes may differ only where the two norms' outputs round differently: by at
   most one code step, at a small share of the elements.
 The encoders are checked exhaustively against torch's own float -> float8_e4m3fn cast and round(): a row of
@@ -39,11 +42,20 @@ MIN_SCALE = {FP8: 1.0 / (448.0 * 512.0), I8: float(torch.finfo(torch.float32).ep
 
 
 # ---- the composite reference -----------------------------------------------------------------------------------
+def divides(quant_dtype: torch.dtype, static: bool) -> bool:
+    """Whether vLLM divides y by the scale on this path (else it multiplies by 1 / scale): its dynamic fp8 kernel
+    divides ("for exact match with FBGemm") and so does its static int8 quantization; its static fp8 and dynamic
+    int8 kernels multiply by the reciprocal."""
+    return static == (quant_dtype == I8)
+
+
 def reference_quant(
     y: Tensor, norm_dims: int, quant_dtype: torch.dtype, scale: Tensor | None, scale_ub: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """codes and scale of y (the norm's output, any dtype) in torch ops: quant_math.h's arithmetic."""
+    """codes and scale of y (the norm's output, any dtype) in torch ops: vLLM's arithmetic (quant_math.h), but for
+    a NaN, which here makes the row's scale NaN and its float8 codes NaN (vLLM: skipped in the absmax, and 448)."""
     yf = y.float()
+    static = scale is not None
     if scale is None:
         absmax = yf.abs().amax(dim=tuple(range(-norm_dims, 0)), keepdim=True)
         if scale_ub is not None:
@@ -51,12 +63,15 @@ def reference_quant(
         s = absmax / QMAX[quant_dtype]
         floor = torch.tensor(MIN_SCALE[quant_dtype], dtype=F32, device=y.device)
         scale = torch.where(s < floor, floor, s)
-    v = yf * torch.reciprocal(scale)
+    v = yf / scale if divides(quant_dtype, static) else yf * torch.reciprocal(scale)
+    return encode(v, quant_dtype), scale
+
+
+def encode(v: Tensor, quant_dtype: torch.dtype) -> Tensor:
+    """float32 values as codes: float8_e4m3fn saturating (NaN stays NaN), int8 rounded half to even (NaN: 0)."""
     if quant_dtype == FP8:
-        codes = v.clamp(-448.0, 448.0).to(FP8)
-    else:
-        codes = torch.where(v.isnan(), 0.0, v).clamp(-128.0, 127.0).round().to(I8)
-    return codes, scale
+        return v.clamp(-448.0, 448.0).to(FP8)
+    return torch.where(v.isnan(), 0.0, v).clamp(-128.0, 127.0).round().to(I8)
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -194,12 +209,17 @@ def test_codes_against_aten_composite(
 
 
 # ---- the encoders, exhaustively ------------------------------------------------------------------------------
-def _encode_through_the_op(values: Tensor, quant_dtype: torch.dtype) -> Tensor:
-    """The op's codes of exactly these float32 values: a row of ones, eps=0, RMSNorm without statistics error
-    (x * rstd = 1 * 1), weight = values, static scale 1."""
+def _through_the_op(values: Tensor, quant_dtype: torch.dtype, scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The op's codes and scale of y = exactly these float32 values: a row of ones, eps=0, RMSNorm without
+    statistics error (x * rstd = 1 * 1), weight = values; scale static, or None (the row's dynamic scale)."""
     n = values.numel()
-    codes, _ = L.rms_norm_quant(torch.ones(1, n), n, values, 0.0, quant_dtype=quant_dtype, scale=torch.ones(1))
-    return codes[0]
+    codes, got_scale = L.rms_norm_quant(torch.ones(1, n), n, values, 0.0, quant_dtype=quant_dtype, scale=scale)
+    return codes[0], got_scale.flatten()
+
+
+def _encode_through_the_op(values: Tensor, quant_dtype: torch.dtype) -> Tensor:
+    """The op's codes of exactly these float32 values with the static scale 1."""
+    return _through_the_op(values, quant_dtype, torch.ones(1))[0]
 
 
 def _fp8_probe_values() -> Tensor:
@@ -232,6 +252,69 @@ def test_int8_encoder_rounds_half_to_even_and_saturates() -> None:
     want = torch.where(values.isnan(), 0.0, values).clamp(-128.0, 127.0).round().to(I8)
     assert torch.equal(got, want)
     assert got[-3].item() == 0, "NaN encodes as 0"
+
+
+# ---- vLLM's division or multiplication, at the codes' rounding ties -------------------------------------------
+def _code_midpoints(quant_dtype: torch.dtype) -> Tensor:
+    """The values halfway between adjacent codes below qmax, both signs (where the codes round to even)."""
+    if quant_dtype == FP8:
+        mags = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+        mags = mags[mags.isfinite() & (mags >= 0)].unique().sort().values
+        mids = (mags[1:] + mags[:-1]) / 2
+    else:
+        mids = torch.arange(127, dtype=F32) + 0.5
+    return torch.cat([mids, -mids])
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
+@pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
+def test_ties_are_scaled_as_vllm_scales(quant_dtype: torch.dtype, static: bool) -> None:
+    """y at the codes' rounding ties (each midpoint times the scale, rounded to float32, and its two float32
+    neighbours), for a few scales: static, or dynamic (the row's absmax, qmax times the scale, set so): the
+    codes are vLLM's, y / scale on the dynamic fp8 and static int8 paths and y * (1 / scale) on the others, bit
+    for bit. The other way gives other codes at some of these values (checked: the test tells them apart)."""
+    qmax = QMAX[quant_dtype]
+    told_apart = 0
+    for target in (0.0123, 0.3, 1.7e-3, 7.1, 1.0 / 3.0):
+        if static:
+            scale = torch.tensor([target])
+            absmax = None
+        else:
+            absmax = torch.tensor([target * qmax])
+            scale = absmax / qmax  # the op's dynamic scale (above min_scale here)
+        mids = _code_midpoints(quant_dtype) * scale
+        values = torch.cat([mids, mids.nextafter(torch.tensor(math.inf)), mids.nextafter(torch.tensor(-math.inf))])
+        if absmax is not None:
+            assert values.abs().max() < absmax
+            values = torch.cat([values, absmax])
+        codes, got_scale = _through_the_op(values, quant_dtype, scale if static else None)
+        assert torch.equal(got_scale, scale)
+        quotient, product = encode(values / scale, quant_dtype), encode(values * torch.reciprocal(scale), quant_dtype)
+        want, other = (quotient, product) if divides(quant_dtype, static) else (product, quotient)
+        _same_bits(codes, want, f"codes at the ties, scale {scale.item()}")
+        told_apart += int((want.view(torch.uint8) != other.view(torch.uint8)).sum())
+    assert told_apart > 0, "dividing and multiplying by the reciprocal gave the same codes: the test tells nothing"
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
+@pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+def test_serving_activation_is_vllms(dtype: torch.dtype, quant_dtype: torch.dtype, static: bool) -> None:
+    """A 64 x 4096 activation (262144 codes) through add_rms_norm_quant in vLLM's order of the norm (x * rstd
+    rounded before the weight, cast_before_weight=True; h rounded to the input dtype, as its static kernel): the
+    codes and scales are vLLM's arithmetic applied to our own output, bit for bit."""
+    gen = torch.Generator().manual_seed(22)
+    x = (torch.randn(64, 4096, generator=gen) * 2).to(dtype)
+    r = torch.randn(64, 4096, generator=gen).to(dtype)
+    w = (torch.randn(4096, generator=gen) * 0.3 + 1).to(dtype)
+    kw = {"cast_before_weight": True}
+    y, h = L.add_rms_norm(x, r, 4096, w, 1e-6, **kw)
+    scale = torch.tensor([y.float().abs().amax().item() / QMAX[quant_dtype] * 0.5]) if static else None
+    codes, got_scale, got_h = L.add_rms_norm_quant(x, r, 4096, w, 1e-6, quant_dtype=quant_dtype, scale=scale, **kw)
+    want_codes, want_scale = reference_quant(y, 1, quant_dtype, scale, None)
+    _same_bits(codes, want_codes, "codes")
+    _same_bits(got_scale, want_scale, "scales")
+    _same_bits(got_h, h, "residual_out")
 
 
 # ---- special rows ----------------------------------------------------------------------------------------------
@@ -444,7 +527,28 @@ def _bad_into_calls() -> list:
                      "a residual needs a residual_out buffer", id="no-residual-out"),
         pytest.param(lambda: L.rms_norm_quant(x, 8, w, scales=torch.empty(3, 1)),
                      "scales= goes with out=", id="scales-without-out"),
+        pytest.param(lambda: L.rms_norm_quant(x, 8, w, quant_dtype=I8, out=codes, scales=torch.empty(3, 1)),
+                     "rms_norm_quant: quant_dtype=torch.int8 contradicts out's dtype torch.float8_e4m3fn",
+                     id="quant-dtype-vs-out"),
+        pytest.param(lambda: L.add_layer_norm_quant(x, r, 8, w, quant_dtype=FP8, scale=torch.ones(1),
+                                                    out=torch.empty(3, 8, dtype=I8), residual_out=torch.empty(3, 8)),
+                     "layer_norm_quant: quant_dtype=torch.float8_e4m3fn contradicts out's dtype torch.int8",
+                     id="quant-dtype-vs-out-residual"),
     ]
+
+
+@pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
+def test_quant_dtype_with_out_is_outs(quant_dtype: torch.dtype) -> None:
+    """With out=, quant_dtype may be left out (out's dtype decides) or given the same; a contradicting one is
+    refused (_bad_into_calls)."""
+    gen = torch.Generator().manual_seed(15)
+    x, w, scale = torch.randn(3, 40, generator=gen), torch.randn(40, generator=gen), torch.tensor([0.01])
+    want, _ = L.rms_norm_quant(x, 40, w, quant_dtype=quant_dtype, scale=scale)
+    for kw in ({}, {"quant_dtype": quant_dtype}):
+        out = torch.empty(3, 40, dtype=quant_dtype)
+        codes, _ = L.rms_norm_quant(x, 40, w, scale=scale, out=out, **kw)
+        assert codes is out
+        _same_bits(out, want, f"codes, {kw}")
 
 
 @pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])

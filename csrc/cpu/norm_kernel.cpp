@@ -6,7 +6,9 @@
 // the ranges' sums added in order.
 // Backward: rows grouped into a fixed number of chunks (it depends on rows and cols only, never on the thread
 // count); each chunk adds its rows' dweight/dbias into its own double partial buffer, then the partials are
-// reduced in chunk order, parallel over columns: the same bits whatever the thread count.
+// reduced in chunk order, parallel over columns: the same bits whatever the thread count. Long rows in fewer
+// chunks than column ranges (split_backward: a few rows, or cols > 2^18) run each row's column ranges in
+// parallel instead, so that they do not run on one thread.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -227,6 +229,13 @@ void store_param(const double* src, void* dst, ScalarType type, int64_t offset, 
 
 bool split_rows(int64_t rows, int64_t cols) { return rows < kSplitMaxRows && cols >= kSplitMinCols; }
 
+// Backward: the rows' chunks run in parallel, unless long rows split into more column ranges than there are
+// chunks (a few rows, or rows too long for more than one chunk's partial to stay in cache: cols > 2^18 gives
+// one chunk); then each row's column ranges run in parallel. Shape only, never the thread count.
+bool split_backward(int64_t rows, int64_t cols, int64_t chunks) {
+  return cols >= kSplitMinCols && (cols + kSegmentCols - 1) / kSegmentCols > chunks;
+}
+
 // fn(range index, c0, c1) for every column range of a row, ranges in parallel.
 template <typename Fn>
 void for_each_range(int64_t cols, const Fn& fn) {
@@ -236,16 +245,29 @@ void for_each_range(int64_t cols, const Fn& fn) {
   });
 }
 
-// Runs sums_of(c0, c1, out[K]) over the ranges of a row and adds the ranges' results in order.
+// The sums of ranges [begin, end) of partial (K sums per range), added pairwise (halves, recursively): the
+// rounding error grows with log(ranges), as within a range (rows_simd.h, PairwiseSums).
+template <int K>
+std::array<double, K> pairwise_total(const std::vector<double>& partial, int64_t begin, int64_t end) {
+  if (end - begin == 1) {
+    std::array<double, K> one;
+    for (int k = 0; k < K; ++k) one[k] = partial[K * begin + k];
+    return one;
+  }
+  const int64_t middle = begin + (end - begin) / 2;
+  std::array<double, K> total = pairwise_total<K>(partial, begin, middle);
+  const std::array<double, K> right = pairwise_total<K>(partial, middle, end);
+  for (int k = 0; k < K; ++k) total[k] += right[k];
+  return total;
+}
+
+// Runs sums_of(c0, c1, out[K]) over the ranges of a row and adds the ranges' results in a fixed order.
 template <int K, typename Fn>
 std::array<double, K> ordered_sums(int64_t cols, const Fn& sums_of) {
-  std::vector<double> partial(K * ((cols + kSegmentCols - 1) / kSegmentCols));
+  const int64_t ranges = (cols + kSegmentCols - 1) / kSegmentCols;
+  std::vector<double> partial(K * ranges);
   for_each_range(cols, [&](int64_t s, int64_t c0, int64_t c1) { sums_of(c0, c1, &partial[K * s]); });
-  std::array<double, K> total{};
-  for (size_t s = 0; s < partial.size(); s += K) {
-    for (int k = 0; k < K; ++k) total[k] += partial[s + k];
-  }
-  return total;
+  return pairwise_total<K>(partial, 0, ranges);
 }
 
 template <typename C>
@@ -393,6 +415,17 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
   double* dweight_partial = p.grad_weight != nullptr ? dweight_scratch.zeroed(chunks * cols) : nullptr;
   double* dbias_partial = p.grad_bias != nullptr ? dbias_scratch.zeroed(chunks * cols) : nullptr;
 
+  // Columns [c0, c1) of the block partials (dweight, dbias) added into the chunk's double partials and zeroed.
+  auto move_into_chunk = [&](int64_t chunk, P* bw, P* bb, int64_t c0, int64_t c1) {
+    for (auto [block, chunk_partial] : {std::pair{bw, dweight_partial}, std::pair{bb, dbias_partial}}) {
+      if (block == nullptr) continue;
+      double* dst = chunk_partial + chunk * cols;
+      for (int64_t j = c0; j < c1; ++j) {
+        dst[j] += static_cast<double>(block[j]);
+        block[j] = P(0);
+      }
+    }
+  };
   // Rows [begin, end) of one chunk, in blocks: add_block(block_begin, block_end, dweight, dbias) adds a block's
   // terms into the (zeroed) block partials given, which then go into the chunk's double partials.
   auto run_chunk = [&](int64_t chunk, int64_t begin, int64_t end, auto&& add_block) {
@@ -402,30 +435,38 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
     P* bb = dbias_partial != nullptr ? block_dbias.zeroed(cols) : nullptr;
     for (int64_t r0 = begin; r0 < end; r0 += kBlockRows) {
       add_block(r0, std::min(end, r0 + kBlockRows), bw, bb);
-      for (auto [block, chunk_partial] : {std::pair{bw, dweight_partial}, std::pair{bb, dbias_partial}}) {
-        if (block == nullptr) continue;
-        double* dst = chunk_partial + chunk * cols;
-        for (int64_t j = 0; j < cols; ++j) {
-          dst[j] += static_cast<double>(block[j]);
-          block[j] = P(0);
-        }
-      }
+      move_into_chunk(chunk, bw, bb, 0, cols);
     }
   };
 
-  if (split_rows(rows, cols)) {
-    // A few long rows: each row's passes run over column ranges in parallel (ranges write disjoint columns).
+  if (split_backward(rows, cols, chunks)) {
+    // Each row's column ranges in parallel, two parallel passes for all rows: the three sums of every (row,
+    // range), added per row in a fixed order; then dx and the dweight / dbias terms, parallel over ranges,
+    // each range taking the rows in order into its columns of the block partial and the chunk's double partial.
     const BackwardSegmentSumsFn sums_fn = k.backward_segment_sums(saved, grad);
     const BackwardSegmentApplyFn apply_fn = k.backward_segment_apply(saved, grad);
+    const int64_t ranges = (cols + kSegmentCols - 1) / kSegmentCols;
+    std::vector<double> range_sums(3 * rows * ranges);
+    at::parallel_for(0, rows * ranges, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t c0 = (t % ranges) * kSegmentCols;
+        sums_fn(a, t / ranges, c0, std::min(cols, c0 + kSegmentCols), &range_sums[3 * t]);
+      }
+    });
+    std::vector<std::array<double, 3>> row_sums(rows);
     for (int64_t row = 0; row < rows; ++row) {
-      run_chunk(row / chunk_rows, row, row + 1, [&](int64_t, int64_t, P* dweight, P* dbias) {
-        const std::array<double, 3> sums = ordered_sums<3>(
-            cols, [&](int64_t c0, int64_t c1, double* out) { sums_fn(a, row, c0, c1, out); });
-        for_each_range(cols, [&](int64_t, int64_t c0, int64_t c1) {
-          apply_fn(a, row, c0, c1, sums.data(), dweight, dbias);
-        });
-      });
+      row_sums[row] = pairwise_total<3>(range_sums, row * ranges, (row + 1) * ranges);
     }
+    ScratchLease<P, kBlockDweightSlot> block_dweight;
+    ScratchLease<P, kBlockDbiasSlot> block_dbias;
+    P* bw = dweight_partial != nullptr ? block_dweight.zeroed(cols) : nullptr;
+    P* bb = dbias_partial != nullptr ? block_dbias.zeroed(cols) : nullptr;
+    for_each_range(cols, [&](int64_t, int64_t c0, int64_t c1) {
+      for (int64_t row = 0; row < rows; ++row) {
+        apply_fn(a, row, c0, c1, row_sums[row].data(), bw, bb);
+        move_into_chunk(row / chunk_rows, bw, bb, c0, c1);
+      }
+    });
   } else {
     const BackwardRowsFn rows_fn = k.backward_rows(saved, grad);
     at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {

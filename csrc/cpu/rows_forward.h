@@ -134,9 +134,9 @@ inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64
       return count == L ? load<float>(y + j) : load_part<float>(y + j, count);
     }
   };
-  float inv_scale;
+  float scale;
   if (a.scale != nullptr) {
-    inv_scale = 1.0f / *a.scale;
+    scale = *a.scale;
   } else {
     FloatVec absmax{};
     for (int64_t j = 0; j < n; j += L) {
@@ -147,20 +147,26 @@ inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64
     std::memcpy(lanes, &absmax, sizeof(lanes));
     float m = 0.0f;
     for (int64_t i = 0; i < L; ++i) m = quant::nan_max(m, lanes[i]);
-    const float scale = quant::dynamic_scale(m, a.scale_ub, a.quant_int8);
+    scale = quant::dynamic_scale(m, a.scale_ub, a.quant_int8);
     a.row_scales[row] = scale;
-    inv_scale = 1.0f / scale;
   }
+  const quant::Scaling scaling = quant::scaling(scale, a.scale != nullptr, a.quant_int8);
   uint8_t* codes = static_cast<uint8_t*>(a.codes) + row * n;
-  const FloatVec inv = broadcast<float>(inv_scale);
-  int64_t j = 0;
-  for (; j + L <= n; j += L) {
-    const CodeVec c = kEncode(floats_at(j, L) * inv);
-    std::memcpy(codes + j, &c, L);
-  }
-  if (j < n) {
-    const CodeVec c = kEncode(floats_at(j, n - j) * inv);
-    std::memcpy(codes + j, &c, static_cast<size_t>(n - j));
+  const FloatVec factor = broadcast<float>(scaling.factor);
+  auto encode_all = [&](auto divide_tag) {  // quant::scaled on every lane, the branch out of the loop
+    auto encode = [&](int64_t j, int64_t count) {
+      const FloatVec values = floats_at(j, count);
+      const CodeVec c = kEncode(decltype(divide_tag)::value ? values / factor : values * factor);
+      std::memcpy(codes + j, &c, static_cast<size_t>(count));
+    };
+    int64_t j = 0;
+    for (; j + L <= n; j += L) encode(j, L);
+    if (j < n) encode(j, n - j);
+  };
+  if (scaling.divide) {
+    encode_all(std::true_type{});
+  } else {
+    encode_all(std::false_type{});
   }
 }
 
