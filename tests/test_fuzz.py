@@ -21,7 +21,7 @@ Arguments are laid out contiguous, transposed, strided, row-padded (NaN padding)
 standardized so that no row is ill-conditioned by chance (for the residual ops, h's rows), with options for
 constant rows, a NaN / inf element, and weights for memory_efficient's corner cases.
 
-CI runs ``EXAMPLES`` cases (derandomized: the same ones every run; about 15 ms of CPU each);
+CI runs ``EXAMPLES`` cases (derandomized: the same ones for the same code; 400 take about 10 s of CPU);
 ``LAYERNORM_EXT_FUZZ_EXAMPLES=3000`` runs more. A failure prints the Case and a ``@reproduce_failure`` blob.
 """
 
@@ -37,15 +37,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+
+import layernorm_ext as L
+from conftest import SWEEP_ISAS
+from layernorm_ext.selfcheck import compare
 
 pytest.importorskip("hypothesis", reason="the [test] extra installs it")  # a bare GPU box (gpu_check.sh) may lack it
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from torch import Tensor  # noqa: E402
-
-import layernorm_ext as L  # noqa: E402
-from conftest import SWEEP_ISAS  # noqa: E402
-from layernorm_ext.selfcheck import compare  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight:UserWarning")
 
@@ -57,7 +57,6 @@ MAX_COLS = 70_000
 EXTENDED_OK = np.finfo(np.longdouble).eps < np.finfo(np.float64).eps
 
 FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-HALF = (torch.float16, torch.bfloat16)
 
 
 def _row_lengths() -> list[int]:
