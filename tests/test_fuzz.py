@@ -78,7 +78,7 @@ BROADCAST = ("bcast_rows", "bcast_all")
 ROW_STATS = ((0.0, 1.0), (0.3, 1.0), (4.0, 0.5), (-20.0, 0.01), (1.0, 1e-3), (0.0, 30.0), (1000.0, 1.0), (1e4, 1e-2))
 ROW_KINDS = ("normal", "normal", "constant_rows", "special")
 # For memory_efficient (xhat recovered from the output): zeros and a bias far above its weight (the input must be
-# saved), tiny entries (1e-3; 1e-6, a float16 subnormal), a bias just under the 4 |weight| up to which the output
+# saved), tiny entries (1e-3; 2e-6, a float16 subnormal), a bias just under the 4 |weight| up to which the output
 # is saved (bias_near_limit)
 WEIGHT_KINDS = ("normal", "signed", "small", "zeros", "big_bias", "bias_near_limit")
 
@@ -282,9 +282,9 @@ def _params(gen: torch.Generator, case: Case) -> tuple[Tensor, Tensor]:
     flat_w = w.view(-1)
     if case.weights_kind == "signed":  # both signs, away from 0
         w = torch.where(w < 1.0, -1.0, 1.0) * (0.5 + (w - 1.0).abs()).clamp(max=2.5)
-    elif case.weights_kind == "small":  # some 1e-3, some 1e-6 (float16 subnormals)
+    elif case.weights_kind == "small":  # some 1e-3, some +-2e-6 (a float16 subnormal, not rounded to 0)
         flat_w[::5] *= 1e-3
-        flat_w[3::7] *= 1e-6
+        flat_w[3::7] = torch.where(flat_w[3::7] < 0, -2e-6, 2e-6)
     elif case.weights_kind == "zeros":
         flat_w[::3] = 0.0
     elif case.weights_kind == "big_bias":
