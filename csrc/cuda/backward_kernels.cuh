@@ -178,13 +178,22 @@ __device__ __forceinline__ void write_block_partials(const BackwardArgs<A>& a, A
   }
 }
 
-// Occupancy pinned by __launch_bounds__(threads, min blocks), so that a compiler change cannot lower it unseen
-// (benchmarks/kernel_audit.py checks the compiled figures): the register path holds three rows' packs and two
-// partial rows per lane (up to 128 registers), so one 512-thread block (16 warps) per SM, or four of 128;
-// the long path holds one pack per array: two 512-thread blocks per SM (<= 64 registers), 32 KB of grad_out
-// and saved loads in flight.
+// Occupancy pinned by __launch_bounds__(threads, min blocks) at what the registers allowed on 2026-12-01, so
+// that a compiler change cannot lower it unseen (benchmarks/kernel_audit.py reports the compiled figures). The
+// register path holds three rows' packs and two partial rows per lane (88-128 registers): one 512-thread block
+// per SM, or four of 128.
 constexpr int kBackwardRowsMinBlocks = 1;
-constexpr int kBackwardLongMinBlocks = 2;
+
+// The long path holds one pack per array: 512-thread blocks per SM by compute type and pack width. A bare
+// minimum of 2 for float rows made ptxas spend the 64 registers it then allowed (48 for float LayerNorm, which
+// had 32: 4 blocks), so each variant keeps its own figure.
+template <typename A, int kVec, bool kRms>
+constexpr int backward_long_min_blocks() {
+  if constexpr (sizeof(A) == 8) return 1;         // double rows: 40-94 registers
+  else if constexpr (kVec >= 8) return 2;         // 16-bit inputs: 50-64 registers, 32 KB of dy + saved in flight
+  else if constexpr (kVec == 4) return kRms ? 3 : 4;  // float: 38 / 32 registers
+  else return 4;                                  // single elements (unaligned rows): 30-32 registers
+}
 
 // Register path, persistent. Thread mapping as forward_rows_kernel (rows_per_block groups of `lanes`
 // threads, lane l owns packs l, l + lanes, ...), but the grid is sized to the GPU and each group strides over
@@ -257,7 +266,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
 // the dweight / dbias terms into the block's own row of the partial buffers, which only thread t ever touches
 // at its columns (no atomics; zeroed before the launch).
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec>
-__global__ void __launch_bounds__(kMaxRowThreads, kBackwardLongMinBlocks)
+__global__ void __launch_bounds__(kMaxRowThreads, (backward_long_min_blocks<acc_t<Ts>, kVec, kRms>()))
     backward_long_kernel(BackwardArgs<acc_t<Ts>> a) {
   using A = acc_t<Ts>;
   using S = BackwardSums<double, kRms>;
