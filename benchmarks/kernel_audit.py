@@ -118,7 +118,8 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     The row region is the body of the loop over rows (or the whole kernel). The path through it is chosen
     without running anything: blocks touching a stream the call does not use (residual, quantized output) are
     excluded; among the rest the path with most accesses to the call's streams (and, when a row spans warps,
-    barriers; entries of loops that run) wins, ties to the fewest instructions. Loops count trip / unroll times:
+    the all-reduce's shared-memory writes; the stage's accesses when staged; entries of loops that run) wins,
+    ties to the fewest instructions. Loops count trip / unroll times:
     column loops ceil(units / threads), shuffle loops log2(lanes in a warp), shared-memory merge loops
     lanes / 32 - 1; of a loop and its remainder loops only the most unrolled counts."""
     pointers_list = FORWARD_POINTERS if direction == "forward" else BACKWARD_POINTERS
@@ -231,13 +232,16 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
 
     loop_entries = {loop.header for loop in counted_loops}
     column_blocks = {b for loop in inner if kind(loop) == "column" for b in loop.blocks}
+    looped = {b for loop in inner for b in loop.blocks}
 
     def score(block: sass.Block) -> int:
         points = sum(1 for i in block.instructions if stream.get(i.address) in used)
-        if row_spans_warps:
-            points += sum(1 for i in block.instructions if i.op == "BAR")
-        if plan.get("staged") and block.index in column_blocks:
-            points += sum(1 for i in block.instructions if i.op in ("LDS", "STS"))
+        in_column_loop = block.index in column_blocks
+        if row_spans_warps and not in_column_loop:  # the all-reduce's step across warps: its shared write
+            points += sum(1 for i in block.instructions if i.op == "STS")
+        if plan.get("staged"):  # the stage's writes and reads, and the barrier before it is overwritten
+            points += sum(1 for i in block.instructions if i.op in ("LDS", "STS") and in_column_loop)
+            points += sum(1 for i in block.instructions if i.op == "BAR" and block.index not in looped)
         return points + (1 if block.index in loop_entries else 0)
 
     def cost(block: sass.Block) -> float:
