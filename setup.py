@@ -7,7 +7,7 @@ Environment:
                           the CUDA toolkit); without it they are built when torch has CUDA and nvcc is found.
   LAYERNORM_EXT_CUDA=0    never build the CUDA kernels.
   CUDA_HOME               the CUDA toolkit (found from nvcc / /usr/local/cuda* when unset).
-  TORCH_CUDA_ARCH_LIST    GPU architectures; default: the visible GPUs', or "8.0;9.0+PTX" when none is visible.
+  TORCH_CUDA_ARCH_LIST    GPU architectures; default: the visible GPUs', or "8.0;9.0;10.0;12.0+PTX" when none is visible.
   LAYERNORM_EXT_VERBOSE=1 pass -Xptxas -v to nvcc (registers and spills of every kernel).
   MAX_JOBS                parallel compile jobs (ninja).
 Requires torch at build time: install it first and build with ``pip install --no-build-isolation .``.

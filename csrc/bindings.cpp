@@ -18,6 +18,9 @@
 #include <torch/version.h>
 
 #include "norm.h"
+#ifdef LAYERNORM_EXT_WITH_CUDA
+#include "cuda/launch_plan.h"
+#endif
 
 TORCH_LIBRARY(layernorm_ext, m) {
   m.def(
@@ -208,6 +211,62 @@ pybind11::dict build_info() {
   return info;
 }
 
+#ifdef LAYERNORM_EXT_WITH_CUDA
+c10::ScalarType dtype_named(const std::string& name) {
+  if (name == "float32") return c10::ScalarType::Float;
+  if (name == "float64") return c10::ScalarType::Double;
+  if (name == "float16") return c10::ScalarType::Half;
+  if (name == "bfloat16") return c10::ScalarType::BFloat16;
+  TORCH_CHECK_VALUE(false, "cuda_launch_plan: dtype must be float32, float64, float16 or bfloat16, got ", name);
+}
+
+// The CUDA dispatcher's choice for a call (csrc/cuda/launch_plan.h), computed on the host with the caller's
+// device figures: no GPU needed. For benchmarks/kernel_audit.py.
+pybind11::dict cuda_launch_plan(const std::string& op, const std::string& direction, const std::string& input_dtype,
+                                int64_t rows, int64_t cols, int sm_count, int64_t max_shared_per_block,
+                                const std::string& row_dtype, const std::string& param_dtype, int blocks_per_sm,
+                                bool vectorized, bool quantized) {
+  TORCH_CHECK_VALUE(op == "layer_norm" || op == "rms_norm", "cuda_launch_plan: op must be layer_norm or rms_norm");
+  TORCH_CHECK_VALUE(direction == "forward" || direction == "backward",
+                    "cuda_launch_plan: direction must be forward or backward");
+  TORCH_CHECK_VALUE(rows > 0 && cols > 0 && sm_count > 0 && max_shared_per_block > 0 && blocks_per_sm >= 0,
+                    "cuda_launch_plan: rows, cols, sm_count and max_shared_per_block must be positive");
+  layernorm_ext::cuda::PlanQuery query;
+  query.rms = op == "rms_norm";
+  query.backward = direction == "backward";
+  query.quantized = quantized;
+  query.vectorized = vectorized;
+  query.input_type = dtype_named(input_dtype);
+  query.row_type = dtype_named(row_dtype.empty() ? input_dtype : row_dtype);
+  query.param_type = dtype_named(param_dtype.empty() ? input_dtype : param_dtype);
+  query.rows = rows;
+  query.cols = cols;
+  query.sm_count = sm_count;
+  query.max_shared_per_block = max_shared_per_block;
+  query.blocks_per_sm = blocks_per_sm;
+  layernorm_ext::cuda::LaunchPlan plan;
+  switch (query.input_type) {
+    case c10::ScalarType::Float: plan = layernorm_ext::cuda::plan_f32(query); break;
+    case c10::ScalarType::Double: plan = layernorm_ext::cuda::plan_f64(query); break;
+    case c10::ScalarType::Half: plan = layernorm_ext::cuda::plan_f16(query); break;
+    default: plan = layernorm_ext::cuda::plan_bf16(query); break;
+  }
+  pybind11::dict out;
+  out["kernel"] = plan.kernel;
+  out["threads"] = plan.threads;
+  out["grid"] = plan.grid;
+  out["dynamic_shared"] = plan.dynamic_shared;
+  out["lanes"] = plan.lanes;
+  out["rows_per_block"] = plan.rows_per_block;
+  out["packs"] = plan.packs;
+  out["vec"] = plan.vec;
+  out["staged"] = plan.staged;
+  out["persistent"] = plan.persistent;
+  out["row_groups"] = plan.row_groups;
+  return out;
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -227,4 +286,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("set_cpu_isa", &layernorm_ext::cpu::set_isa, pybind11::arg("isa"),
              "Use the CPU kernels of another instruction set (scalar, avx2, avx512) from now on; returns the "
              "previous one. For tests and benchmarks; LAYERNORM_EXT_CPU_ISA chooses it at load time.");
+#ifdef LAYERNORM_EXT_WITH_CUDA
+  module.def("cuda_launch_plan", &cuda_launch_plan, pybind11::arg("op"), pybind11::arg("direction"),
+             pybind11::arg("input_dtype"), pybind11::arg("rows"), pybind11::arg("cols"), pybind11::arg("sm_count"),
+             pybind11::arg("max_shared_per_block"), pybind11::arg("row_dtype") = "",
+             pybind11::arg("param_dtype") = "", pybind11::arg("blocks_per_sm") = 0,
+             pybind11::arg("vectorized") = true, pybind11::arg("quantized") = false,
+             "The CUDA kernel, block, grid and dynamic shared memory the dispatcher chooses for a call, given the "
+             "device's SM count, opt-in shared memory per block and (persistent backward grids) resident blocks "
+             "per SM of the chosen kernel (0: uncapped). Needs no GPU.");
+#endif
 }

@@ -48,9 +48,10 @@ NVCC_VERBOSE_FLAGS: tuple[str, ...] = ("-Xptxas", "-v")
 # Macro telling the shared sources (bindings.cpp, norm.h) that the CUDA kernels are linked in.
 WITH_CUDA_DEFINE = "LAYERNORM_EXT_WITH_CUDA"
 
-# Architectures built when TORCH_CUDA_ARCH_LIST is unset and no GPU is visible: Ampere and Hopper, with
-# PTX for newer GPUs to JIT from.
-DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
+# Architectures built when TORCH_CUDA_ARCH_LIST is unset and no GPU is visible: Ampere, Hopper, datacenter
+# Blackwell (sm_100) and consumer Blackwell (sm_120), with PTX for newer GPUs to JIT from. SASS of sm_90 does
+# not run on sm_100/sm_120, and JIT from sm_90 PTX would cost a first-call compile of every kernel there.
+DEFAULT_CUDA_ARCHS = "8.0;9.0;10.0;12.0+PTX"
 
 
 def csrc_dir() -> Path:

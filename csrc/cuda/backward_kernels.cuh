@@ -178,6 +178,23 @@ __device__ __forceinline__ void write_block_partials(const BackwardArgs<A>& a, A
   }
 }
 
+// Occupancy pinned by __launch_bounds__(threads, min blocks) at what the registers allowed on 2026-12-01, so
+// that a compiler change cannot lower it unseen (benchmarks/kernel_audit.py reports the compiled figures). The
+// register path holds three rows' packs and two partial rows per lane (88-128 registers): one 512-thread block
+// per SM, or four of 128.
+constexpr int kBackwardRowsMinBlocks = 1;
+
+// The long path holds one pack per array: 512-thread blocks per SM by compute type and pack width. A bare
+// minimum of 2 for float rows made ptxas spend the 64 registers it then allowed (48 for float LayerNorm, which
+// had 32: 4 blocks), so each variant keeps its own figure.
+template <typename A, int kVec, bool kRms>
+constexpr int backward_long_min_blocks() {
+  if constexpr (sizeof(A) == 8) return 1;         // double rows: 40-94 registers
+  else if constexpr (kVec >= 8) return 2;         // 16-bit inputs: 50-64 registers, 32 KB of dy + saved in flight
+  else if constexpr (kVec == 4) return kRms ? 3 : 4;  // float: 38 / 32 registers
+  else return 4;                                  // single elements (unaligned rows): 30-32 registers
+}
+
 // Register path, persistent. Thread mapping as forward_rows_kernel (rows_per_block groups of `lanes`
 // threads, lane l owns packs l, l + lanes, ...), but the grid is sized to the GPU and each group strides over
 // rows. Registers: the row's grad_out, d and g for the lane's packs, and the lane's dweight / dbias partials
@@ -185,7 +202,8 @@ __device__ __forceinline__ void write_block_partials(const BackwardArgs<A>& a, A
 // groups of a block add their partials in group order through shared memory and the block writes one row of
 // the [gridDim.x, cols] partial buffers (reduce_partials_kernel finishes the sum in a fixed order).
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec, int kPacks>
-__global__ void __launch_bounds__(kMaxRowThreads) backward_rows_kernel(BackwardArgs<acc_t<Ts>> a) {
+__global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
+    backward_rows_kernel(BackwardArgs<acc_t<Ts>> a) {
   using A = acc_t<Ts>;
   using S = BackwardSums<A, kRms>;
   __shared__ S scratch[kMaxRowThreads / 32];
@@ -248,7 +266,8 @@ __global__ void __launch_bounds__(kMaxRowThreads) backward_rows_kernel(BackwardA
 // the dweight / dbias terms into the block's own row of the partial buffers, which only thread t ever touches
 // at its columns (no atomics; zeroed before the launch).
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec>
-__global__ void __launch_bounds__(kMaxRowThreads) backward_long_kernel(BackwardArgs<acc_t<Ts>> a) {
+__global__ void __launch_bounds__(kMaxRowThreads, (backward_long_min_blocks<acc_t<Ts>, kVec, kRms>()))
+    backward_long_kernel(BackwardArgs<acc_t<Ts>> a) {
   using A = acc_t<Ts>;
   using S = BackwardSums<double, kRms>;
   __shared__ S scratch[kMaxRowThreads / 32];
@@ -288,7 +307,8 @@ constexpr int kReduceSlices = 32;   // threads per column, each summing every kR
 // (x, y) of a (32, 32) block sums partial rows y, y + 32, ... of column blockIdx.x * 32 + x in order; the 32
 // slice sums are then added pairwise (a tree). The order is fixed by the shape: the same bits on every run.
 template <typename Tw, typename A>
-__global__ void reduce_partials_kernel(const A* partial, void* out, int64_t parts, int64_t cols) {
+__global__ void __launch_bounds__(kReduceColumns * kReduceSlices)
+    reduce_partials_kernel(const A* partial, void* out, int64_t parts, int64_t cols) {
   __shared__ A slices[kReduceSlices][kReduceColumns];
   const int64_t col = static_cast<int64_t>(blockIdx.x) * kReduceColumns + threadIdx.x;
   A sum = A(0);

@@ -7,6 +7,7 @@ namespace cuda {
 
 void forward_bf16(const NormForwardParams& p) { forward_for_input<__nv_bfloat16>(p); }
 void backward_bf16(const NormBackwardParams& p) { backward_for_grad<__nv_bfloat16>(p); }
+LaunchPlan plan_bf16(const PlanQuery& query) { return plan_for_input<__nv_bfloat16>(query); }
 
 }  // namespace cuda
 }  // namespace layernorm_ext

@@ -7,6 +7,7 @@ namespace cuda {
 
 void forward_f32(const NormForwardParams& p) { forward_for_input<float>(p); }
 void backward_f32(const NormBackwardParams& p) { backward_for_grad<float>(p); }
+LaunchPlan plan_f32(const PlanQuery& query) { return plan_for_input<float>(query); }
 
 }  // namespace cuda
 }  // namespace layernorm_ext

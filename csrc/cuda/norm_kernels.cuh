@@ -26,10 +26,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "../norm_params.h"
 #include "kernel_common.cuh"
+#include "launch_plan.h"
 #include "forward_kernels.cuh"
 #include "backward_kernels.cuh"
 
@@ -105,16 +107,6 @@ inline int device_attribute(cudaDeviceAttr attr) {
 
 inline int64_t grid_for(int64_t groups) { return std::max<int64_t>(1, std::min<int64_t>(groups, 1 << 30)); }
 
-// Persistent grids: as many blocks as fit on the GPU at once, no more than there are row groups.
-template <typename Kernel>
-int64_t persistent_grid(Kernel kernel, int threads, size_t smem, int64_t groups) {
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * device_attribute(cudaDevAttrMultiProcessorCount);
-  return std::max<int64_t>(1, std::min(groups, resident));
-}
-
-
 template <int kMaxPacks, typename F>
 void with_packs(int packs, F&& f) {
   switch (packs) {
@@ -124,6 +116,71 @@ void with_packs(int packs, F&& f) {
     case 8: if constexpr (kMaxPacks >= 8) { f(std::integral_constant<int, 8>{}); break; } [[fallthrough]];
     default: TORCH_INTERNAL_ASSERT(false, "layernorm_ext: no kernel for ", packs, " packs per lane");
   }
+}
+
+// The current device's limits, asked only when a plan needs them.
+inline DeviceLimits current_device_limits() {
+  DeviceLimits device;
+  device.max_shared_per_block = [] {
+    return static_cast<int64_t>(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin));
+  };
+  device.resident_blocks = [](const void* kernel, int threads, size_t shared_bytes) {
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes));
+    return static_cast<int64_t>(std::max(per_sm, 1)) * device_attribute(cudaDevAttrMultiProcessorCount);
+  };
+  return device;
+}
+
+// ---- kernel names, as the demangled symbols spell them (the audit finds a plan's kernel in the SASS) ------
+
+template <typename T>
+constexpr const char* type_name() {
+  if constexpr (std::is_same_v<T, __half>) return "__half";
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return "__nv_bfloat16";
+  else if constexpr (std::is_same_v<T, double>) return "double";
+  else return "float";
+}
+
+template <typename... T>
+std::string kernel_name(const char* function, bool rms, int vec, int packs, bool quant) {
+  std::string name = std::string(function) + "<";
+  for (const char* type : {type_name<T>()...}) name += std::string(type) + ", ";
+  name += std::string(rms ? "true" : "false") + ", " + std::to_string(vec);
+  if (packs > 0) name += ", " + std::to_string(packs);
+  if (quant) name += ", layernorm_ext::cuda::QuantArgs";
+  return name + ">";
+}
+
+template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, bool kQuant>
+LaunchPlan plan_forward_vec(int64_t rows, int64_t cols, const DeviceLimits& device) {
+  using A = acc_t<Th>;
+  constexpr int kMax = max_packs<A, kVec>(false);
+  const RowPlan rows_plan = plan_rows(cols / kVec, kMax);
+  LaunchPlan plan;
+  plan.vec = kVec;
+  if (!rows_plan.long_path) {
+    plan.lanes = rows_plan.lanes;
+    plan.rows_per_block = rows_plan.rows_per_block;
+    plan.packs = rows_plan.packs;
+    plan.threads = plan.lanes * plan.rows_per_block;
+    plan.row_groups = (rows + plan.rows_per_block - 1) / plan.rows_per_block;
+    plan.grid = grid_for(plan.row_groups);
+    plan.kernel = kernel_name<Tin, Th, Tw>("forward_rows_kernel", kRms, kVec, plan.packs, kQuant);
+  } else {
+    plan.lanes = kMaxRowThreads;
+    plan.threads = kMaxRowThreads;
+    const size_t stage = static_cast<size_t>(cols) * sizeof(A);
+    // The kernel's static shared memory: its all-reduce scratch (a double Welford state or sum per warp) and
+    // the quantized output's absmax scratch.
+    constexpr size_t kStaticShared = (sizeof(Welford<double>) + sizeof(AbsMax)) * (kMaxRowThreads / 32);
+    plan.staged = stage <= static_cast<size_t>(device.max_shared_per_block()) - kStaticShared;
+    plan.dynamic_shared = plan.staged ? stage : 0;
+    plan.row_groups = rows;
+    plan.grid = grid_for(rows);
+    plan.kernel = kernel_name<Tin, Th, Tw>("forward_long_kernel", kRms, kVec, 0, kQuant);
+  }
+  return plan;
 }
 
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, bool kQuant>
@@ -148,36 +205,27 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
   a.residual_type = p.residual_type;
   const QuantArgs q{p.codes, p.scale, p.scale_ub, p.row_scales, p.quant_type == ScalarType::Char};
   constexpr int kMax = max_packs<A, kVec>(false);
-  const RowPlan plan = plan_rows(a.units, kMax);
-  if (!plan.long_path) {
-    a.lanes = plan.lanes;
-    a.rows_per_block = plan.rows_per_block;
-    const int threads = plan.lanes * plan.rows_per_block;
-    const int64_t grid = grid_for((p.rows + plan.rows_per_block - 1) / plan.rows_per_block);
+  const LaunchPlan plan = plan_forward_vec<Tin, Th, Tw, kRms, kVec, kQuant>(p.rows, p.cols, current_device_limits());
+  a.lanes = plan.lanes;
+  a.rows_per_block = plan.rows_per_block;
+  const unsigned grid = static_cast<unsigned>(plan.grid);
+  if (plan.packs > 0) {
     with_packs<kMax>(plan.packs, [&](auto packs) {
       if constexpr (kQuant) {
         auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, decltype(packs)::value, QuantArgs>;
-        LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, 0, stream)(a, q);
+        LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, q);
       } else {
         auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, decltype(packs)::value>;
-        LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, 0, stream)(a);
+        LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a);
       }
     });
   } else {
-    a.lanes = kMaxRowThreads;
-    a.rows_per_block = 1;
-    const size_t stage = static_cast<size_t>(p.cols) * sizeof(A);
-    // The kernel's static shared memory: its all-reduce scratch (a double Welford state or sum per warp) and
-    // the quantized output's absmax scratch.
-    constexpr size_t kStaticShared = (sizeof(Welford<double>) + sizeof(AbsMax)) * (kMaxRowThreads / 32);
-    const bool staged =
-        stage <= static_cast<size_t>(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin)) - kStaticShared;
-    const unsigned grid = static_cast<unsigned>(grid_for(p.rows));
     auto launch = [&](auto kernel, auto... quant) {
-      if (staged) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(stage)));
+      if (plan.staged) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(plan.dynamic_shared)));
       }
-      LNX_LAUNCH(kernel, grid, kMaxRowThreads, staged ? stage : 0, stream)(a, staged, quant...);
+      LNX_LAUNCH(kernel, grid, plan.threads, plan.dynamic_shared, stream)(a, plan.staged, quant...);
     };
     if constexpr (kQuant) {
       launch(forward_long_kernel<Tin, Th, Tw, kRms, kVec, QuantArgs>, q);
@@ -232,6 +280,39 @@ void launch_forward(const NormForwardParams& p) {
 }
 
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec>
+LaunchPlan plan_backward_vec(int64_t rows, int64_t cols, const DeviceLimits& device) {
+  using A = acc_t<Ts>;
+  constexpr int kMax = max_packs<A, kVec>(true);
+  const RowPlan rows_plan = plan_rows(cols / kVec, kMax);
+  LaunchPlan plan;
+  plan.vec = kVec;
+  plan.persistent = true;
+  const void* kernel = nullptr;
+  if (!rows_plan.long_path) {
+    plan.lanes = rows_plan.lanes;
+    plan.rows_per_block = rows_plan.rows_per_block;
+    plan.packs = rows_plan.packs;
+    plan.threads = plan.lanes * plan.rows_per_block;
+    plan.dynamic_shared =
+        plan.rows_per_block > 1 ? static_cast<size_t>(plan.threads) * plan.packs * kVec * sizeof(A) : 0;
+    with_packs<kMax>(plan.packs, [&](auto packs) {
+      kernel = reinterpret_cast<const void*>(backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, decltype(packs)::value>);
+    });
+    plan.kernel = kernel_name<Tg, Ts, Tw>("backward_rows_kernel", kRms, kVec, plan.packs, false);
+  } else {
+    plan.lanes = kMaxRowThreads;
+    plan.threads = kMaxRowThreads;
+    kernel = reinterpret_cast<const void*>(backward_long_kernel<Tg, Ts, Tw, kRms, kVec>);
+    plan.kernel = kernel_name<Tg, Ts, Tw>("backward_long_kernel", kRms, kVec, 0, false);
+  }
+  // Persistent: as many blocks as fit on the GPU at once, no more than there are row groups.
+  plan.row_groups = (rows + plan.rows_per_block - 1) / plan.rows_per_block;
+  const int64_t resident = device.resident_blocks(kernel, plan.threads, plan.dynamic_shared);
+  plan.grid = std::max<int64_t>(1, resident > 0 ? std::min(plan.row_groups, resident) : plan.row_groups);
+  return plan;
+}
+
+template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec>
 void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
   using A = acc_t<Ts>;
   BackwardArgs<A> a;
@@ -250,27 +331,13 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
   a.weight_offset = static_cast<A>(p.weight_offset);
   a.saved_is_output = p.saved_is_output;
   constexpr int kMax = max_packs<A, kVec>(true);
-  const RowPlan plan = plan_rows(a.units, kMax);
-
-  int64_t grid = 0;
-  int threads = 0;
-  size_t smem = 0;
-  auto rows_kernel_for = [&](auto packs) {
-    return backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, decltype(packs)::value>;
-  };
-  if (!plan.long_path) {
-    a.lanes = plan.lanes;
-    a.rows_per_block = plan.rows_per_block;
-    threads = plan.lanes * plan.rows_per_block;
-    smem = plan.rows_per_block > 1 ? static_cast<size_t>(threads) * plan.packs * kVec * sizeof(A) : 0;
-    const int64_t groups = (p.rows + plan.rows_per_block - 1) / plan.rows_per_block;
-    with_packs<kMax>(plan.packs, [&](auto packs) { grid = persistent_grid(rows_kernel_for(packs), threads, smem, groups); });
-  } else {
-    a.lanes = kMaxRowThreads;
-    a.rows_per_block = 1;
-    threads = kMaxRowThreads;
-    grid = persistent_grid(backward_long_kernel<Tg, Ts, Tw, kRms, kVec>, threads, 0, p.rows);
-  }
+  const LaunchPlan plan = plan_backward_vec<Tg, Ts, Tw, kRms, kVec>(p.rows, p.cols, current_device_limits());
+  const bool long_path = plan.packs == 0;
+  a.lanes = plan.lanes;
+  a.rows_per_block = plan.rows_per_block;
+  const int64_t grid = plan.grid;
+  const int threads = plan.threads;
+  const size_t smem = plan.dynamic_shared;
 
   // Partial buffers, [grid, cols] each for dweight and (LayerNorm with a bias) dbias, from the caching allocator
   // on the current stream (graph-safe). grid <= the row groups, so the workspace is
@@ -285,7 +352,7 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
     A* base = static_cast<A*>(scratch.get());
     a.partial_dweight = want_dweight ? base : nullptr;
     a.partial_dbias = want_dbias ? base + (want_dweight ? partial_elements : 0) : nullptr;
-    if (plan.long_path) {
+    if (long_path) {
       C10_CUDA_CHECK(cudaMemsetAsync(base, 0, buffers * partial_elements * sizeof(A), stream));
     }
   } else {
@@ -293,9 +360,9 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
     a.partial_dbias = nullptr;
   }
 
-  if (!plan.long_path) {
+  if (!long_path) {
     with_packs<kMax>(plan.packs, [&](auto packs) {
-      auto kernel = rows_kernel_for(packs);
+      auto kernel = backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, decltype(packs)::value>;
       LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, smem, stream)(a);
     });
   } else {
@@ -371,6 +438,37 @@ void backward_for_grad(const NormBackwardParams& p) {
   dispatch_row_and_param_types<Tg>(p.saved_type, p.weight_type, [&](auto s_tag, auto w_tag) {
     launch_backward<Tg, typename decltype(s_tag)::type, typename decltype(w_tag)::type>(p);
   });
+}
+
+// The plan of a call described by `query` (launch_plan.h), through the launchers' own dispatch; the device's
+// figures come from the query, so no GPU is needed.
+template <typename Tin>
+LaunchPlan plan_for_input(const PlanQuery& query) {
+  DeviceLimits device;
+  device.max_shared_per_block = [&] { return query.max_shared_per_block; };
+  device.resident_blocks = [&](const void*, int, size_t) {
+    return static_cast<int64_t>(query.blocks_per_sm) * query.sm_count;
+  };
+  constexpr int kVec = pack_width<Tin>();
+  LaunchPlan plan;
+  dispatch_row_and_param_types<Tin>(query.row_type, query.param_type, [&](auto row_tag, auto param_tag) {
+    using Th = typename decltype(row_tag)::type;
+    using Tw = typename decltype(param_tag)::type;
+    // As the launchers: packs only when cols is a multiple of the pack width (and the pointers allow them).
+    const bool vectorized = query.vectorized && query.cols % kVec == 0;
+    with_variant<kVec>(query.rms, vectorized, [&](auto rms, auto width) {
+      constexpr bool kRms = decltype(rms)::value;
+      constexpr int kWidth = decltype(width)::value;
+      if (query.backward) {
+        plan = plan_backward_vec<Tin, Th, Tw, kRms, kWidth>(query.rows, query.cols, device);
+      } else if (query.quantized) {
+        plan = plan_forward_vec<Tin, Th, Tw, kRms, kWidth, true>(query.rows, query.cols, device);
+      } else {
+        plan = plan_forward_vec<Tin, Th, Tw, kRms, kWidth, false>(query.rows, query.cols, device);
+      }
+    });
+  });
+  return plan;
 }
 
 }  // namespace cuda

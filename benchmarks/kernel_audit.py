@@ -1,0 +1,606 @@
+"""Kernel audit: properties of the compiled CUDA kernels that decide their speed, read without a GPU from the
+built library's SASS (cuobjdump) and the dispatcher's launch plan (layernorm_ext._C.cuda_launch_plan).
+
+For every dispatched kernel (LayerNorm and RMSNorm, bf16 and fp32, forward and backward, N in SIZES, sm_80 and
+sm_90): registers, spills, CTAs and threads per SM, bytes of loads a thread issues before their first use, KB of
+loads in flight per SM, barriers, FP64 instructions and instructions per element on a row's hot path, and DRAM
+bytes per element. The method, and what is approximate in it, is in benchmarks/README.md ("Kernel audit").
+
+    python benchmarks/kernel_audit.py --out benchmarks/RESULTS-kernel-audit.md   # tables and every target
+    python benchmarks/kernel_audit.py --check     # CI: exit 1 on a missed target not in KNOWN_MISSES_FILE,
+                                                  # or on a known miss that got worse
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sass  # noqa: E402
+
+SIZES = (256, 512, 1024, 2048, 4096, 5120, 8192, 16384, 32768, 65536, 131072, 262144)
+OPS = ("layer_norm", "rms_norm")
+DTYPES = ("bfloat16", "float32")
+DIRECTIONS = ("forward", "backward")
+ROWS_BYTES = 256 << 20  # rows per case: the input holds 256 MiB, as the CUDA benchmark's big size
+DEBUG = bool(os.environ.get("KERNEL_AUDIT_DEBUG"))
+# Text after this line in the --out file is written by hand (the comparison with earlier analyses): kept.
+NOTES_MARKER = "<!-- notes below: kept when kernel_audit.py rewrites this file -->"
+KNOWN_MISSES_FILE = Path(__file__).resolve().parent / "kernel_audit_known_misses.tsv"
+ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    sms: int
+    param_base: int  # offset of the first kernel parameter in constant bank 0
+    shared_per_sm: int  # bytes, the largest carveout
+    shared_per_block: int  # opt-in maximum per block
+    shared_reserved: int = 1024  # per block, by the system
+    registers: int = 65536
+    max_threads: int = 2048
+    max_blocks: int = 32
+
+
+ARCHS = {
+    "sm_80": Arch("sm_80", sms=108, param_base=0x160, shared_per_sm=167936, shared_per_block=166912),
+    "sm_90": Arch("sm_90", sms=132, param_base=0x210, shared_per_sm=233472, shared_per_block=232448),
+}
+TARGET_ARCH = "sm_90"
+
+# Pointer fields of the kernels' argument structs (forward_kernels.cuh ForwardArgs, backward_kernels.cuh
+# BackwardArgs), in order from the first parameter: a memory access is attributed to a stream by the pointer its
+# address derives from. Keep in step with the structs (the audit fails when the input stream is not found).
+FORWARD_POINTERS = ("input", "residual", "weight", "bias", "out", "residual_out", "mean", "rstd")
+BACKWARD_POINTERS = ("grad_out", "grad_residual_out", "saved", "mean", "rstd", "weight", "bias", "grad_input",
+                     "partial_dweight", "partial_dbias")
+# Streams with one access per element (DRAM traffic); weight / bias are per column (L2), mean / rstd per row.
+ELEMENT_STREAMS = {"input", "residual", "out", "residual_out", "grad_out", "grad_residual_out", "saved",
+                   "grad_input", "partial_dweight", "partial_dbias"}
+
+
+def call_streams(op: str, direction: str) -> tuple[set[str], set[str]]:
+    """(used, unused) streams of the audited call: the plain op with weight (and bias for LayerNorm), no
+    residual, no quantized output; the backward of the default (non memory-efficient) mode."""
+    rms = op == "rms_norm"
+    if direction == "forward":
+        used = {"input", "weight", "out", "rstd"} | (set() if rms else {"bias", "mean"})
+        return used, set(FORWARD_POINTERS) - used
+    used = {"grad_out", "saved", "rstd", "weight", "grad_input", "partial_dweight"}
+    used |= set() if rms else {"mean", "partial_dbias"}
+    return used, set(BACKWARD_POINTERS) - used
+
+
+# ---- occupancy -------------------------------------------------------------------------------------------------
+
+
+def blocks_per_sm(arch: Arch, registers: int, shared: int, threads: int) -> int:
+    """Resident blocks per SM, as the CUDA occupancy calculator: registers allocated per warp in units of 256
+    (8 per thread), in four sub-partitions of 16K; shared memory plus 1 KB reserved per block."""
+    warps = math.ceil(threads / 32)
+    per_warp = math.ceil(max(registers, 1) / 8) * 8 * 32
+    by_registers = 4 * ((arch.registers // 4) // per_warp) // warps
+    by_shared = arch.shared_per_sm // (shared + arch.shared_reserved)
+    by_threads = arch.max_threads // (warps * 32)
+    return max(0, min(by_registers, by_shared, by_threads, arch.max_blocks))
+
+
+# ---- the hot path of a row -----------------------------------------------------------------------------------
+
+
+@dataclass
+class PathFigures:
+    instructions: float = 0.0  # per thread per row
+    fp64: float = 0.0
+    barriers: float = 0.0
+    element_bytes: float = 0.0  # per thread per row, streams of ELEMENT_STREAMS
+    loads_before_use: int = 0  # peak bytes per thread of global loads issued and not yet consumed
+    row_loads_before_use: int = 0  # the same, loads of ELEMENT_STREAMS only (DRAM; weight / bias hit L2)
+    streams_found: set[str] = field(default_factory=set)
+
+
+def _stream_of(instructions: list[sass.Instruction], position: int, pointers: dict[int, str]) -> str | None:
+    params = sass.address_parameters(instructions, position)
+    names = [pointers[p] for p in sorted(params) if p in pointers]
+    return names[0] if names else None
+
+
+def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, direction: str) -> PathFigures:
+    """Per thread and row: the hot path through the kernel for the audited call, and its figures.
+
+    The row region is the body of the loop over rows (or the whole kernel). The path through it is chosen
+    without running anything: blocks touching a stream the call does not use (residual, quantized output) are
+    excluded; among the rest the path with most accesses to the call's streams (and, when a row spans warps,
+    the all-reduce's shared-memory writes; the stage's accesses when staged; entries of loops that run) wins,
+    ties to the fewest instructions. Loops count trip / unroll times:
+    column loops ceil(units / threads), shuffle loops log2(lanes in a warp), shared-memory merge loops
+    lanes / 32 - 1; of a loop and its remainder loops only the most unrolled counts."""
+    pointers_list = FORWARD_POINTERS if direction == "forward" else BACKWARD_POINTERS
+    pointers = {arch.param_base + 8 * i: name for i, name in enumerate(pointers_list)}
+    used, unused = call_streams(op, direction)
+    lanes, threads = plan["lanes"], plan["threads"]
+    row_spans_warps = lanes > 32
+    units = -(-plan["cols"] // plan["vec"])
+
+    instructions = [i for i in function.instructions if i.op != "NOP"]
+    position = {i.address: n for n, i in enumerate(instructions)}
+    blocks = sass.basic_blocks(function)
+    stream = {}
+    for block in blocks:
+        for instruction in block.instructions:
+            if instruction.op in sass.GLOBAL_LOADS + sass.GLOBAL_STORES + sass.ASYNC_COPIES:
+                stream[instruction.address] = _stream_of(instructions, position[instruction.address], pointers)
+
+    def has(block: sass.Block, ops: Iterable[str]) -> bool:
+        return any(i.op in ops for i in block.instructions)
+
+    def streams_in(block_ids: Iterable[int]) -> set[str]:
+        return {stream[i.address] for b in block_ids for i in blocks[b].instructions if stream.get(i.address)}
+
+    all_loops = sass.loops(blocks)
+    first_stream = "input" if direction == "forward" else "grad_out"
+    out_stream = "out" if direction == "forward" else "grad_input"
+    row_loops = [
+        loop for loop in all_loops
+        if first_stream in streams_in(loop.blocks) and any(has(blocks[b], ("SHFL", "BAR")) for b in loop.blocks)
+    ]
+    row_loop = max(row_loops, key=lambda loop: len(loop.blocks)) if row_loops else None
+    region = sorted(row_loop.blocks) if row_loop else [b.index for b in blocks]
+    region_set = set(region)
+    inner = [loop for loop in all_loops if loop is not row_loop and loop.blocks <= region_set]
+
+    # Loop multiplicities.
+    def kind(loop: sass.Loop) -> str:
+        if any(has(blocks[b], ("SHFL",)) for b in loop.blocks):
+            return "shuffle"
+        if streams_in(loop.blocks) or any(has(blocks[b], ("STS",)) for b in loop.blocks):
+            return "column"
+        return "merge" if any(has(blocks[b], ("LDS",)) for b in loop.blocks) else "other"
+
+    def marker_count(loop: sass.Loop, k: str) -> int:
+        ops = {"column": sass.GLOBAL_LOADS + sass.GLOBAL_STORES + ("LDS", "STS"), "shuffle": ("SHFL",),
+               "merge": ("LDS",), "other": ()}[k]
+        return sum(1 for b in loop.blocks for i in blocks[b].instructions if i.op in ops) or 1
+
+    trips = {
+        "column": -(-units // threads),
+        "shuffle": int(math.log2(min(lanes, 32))) if lanes > 1 else 0,
+        "merge": max(lanes // 32 - 1, 0),
+        "other": 1,
+    }
+    multiplicity = {b: 1.0 for b in region}
+    top = [loop for loop in inner if not any(other.contains(loop) for other in inner)]
+    top.sort(key=lambda loop: loop.header)
+    groups: list[list[sass.Loop]] = []
+    for loop in top:  # a loop and its remainder loops: same kind, nothing but plain code between them
+        k = kind(loop)
+        if groups and kind(groups[-1][-1]) == k:
+            between = range(max(groups[-1][-1].blocks) + 1, loop.header)
+            if not any(has(blocks[b], ("BAR", "SHFL")) or streams_in([b]) for b in between):
+                groups[-1].append(loop)
+                continue
+        groups.append([loop])
+    counted_loops: list[sass.Loop] = []
+    for group in groups:
+        k = kind(group[0])
+        main = max(group, key=lambda loop: marker_count(loop, k))
+        smallest = min(marker_count(loop, k) for loop in group)
+        unroll = marker_count(main, k) / smallest if len(group) > 1 else (
+            marker_count(main, k) if k == "column" else 1)
+        if k == "column":
+            # One pack of the row per source iteration: loads of the row's first stream, else (the staged
+            # pass 2) stores of its output.
+            body = [i for b in main.blocks for i in blocks[b].instructions]
+            row_loads = sum(1 for i in body if i.op in sass.GLOBAL_LOADS and stream.get(i.address) == first_stream)
+            row_stores = sum(1 for i in body if i.op in sass.GLOBAL_STORES and stream.get(i.address) == out_stream)
+            unroll = row_loads or row_stores or 1
+        times = trips[k] / unroll
+        for loop in group:
+            for b in loop.blocks:
+                multiplicity[b] *= times if loop is main else 0.0
+            if loop is main and times > 0:
+                counted_loops.append(loop)
+    for loop in inner:  # nested loops (rare): their own trip count on top
+        if loop not in top:
+            k = kind(loop)
+            for b in loop.blocks:
+                multiplicity[b] *= trips[k]
+
+    # Path: dynamic programming over the region in address order (back edges dropped).
+    first_barrier = min((i.address for b in region for i in blocks[b].instructions if i.op == "BAR"), default=None)
+
+    def skipped(i: sass.Instruction) -> bool:
+        """An access to a stream the call does not use, under a predicate: the predicate is its null test."""
+        return bool(i.predicate) and stream.get(i.address) in unused
+
+    def excluded(block: sass.Block) -> bool:
+        for i in block.instructions:
+            s = stream.get(i.address)
+            if s in unused and not i.predicate:
+                return True
+            if plan.get("staged") and s == first_stream and first_barrier is not None and i.address > first_barrier \
+                    and i.op in sass.GLOBAL_LOADS:
+                return True  # the staged pass 2 reads shared memory, not the row again
+        return not row_spans_warps and has(block, ("BAR",))
+
+    loop_entries = {loop.header for loop in counted_loops}
+    column_blocks = {b for loop in inner if kind(loop) == "column" for b in loop.blocks}
+    looped = {b for loop in inner for b in loop.blocks}
+
+    def score(block: sass.Block) -> int:
+        points = sum(1 for i in block.instructions if stream.get(i.address) in used)
+        in_column_loop = block.index in column_blocks
+        if row_spans_warps and not in_column_loop:  # the all-reduce's step across warps: its shared write
+            points += sum(1 for i in block.instructions if i.op == "STS")
+        if plan.get("staged"):  # the stage's writes and reads, and the barrier before it is overwritten
+            points += sum(1 for i in block.instructions if i.op in ("LDS", "STS") and in_column_loop)
+            points += sum(1 for i in block.instructions if i.op == "BAR" and block.index not in looped)
+        return points + (1 if block.index in loop_entries else 0)
+
+    def cost(block: sass.Block) -> float:
+        return len(block.instructions) * multiplicity[block.index]
+
+    best: dict[int, tuple[int, float, int | None]] = {}
+    entry = region[0]
+    if not excluded(blocks[entry]):
+        best[entry] = (score(blocks[entry]), -cost(blocks[entry]), None)
+    ends = []
+    for b in region:
+        if b not in best:
+            continue
+        successors = [s for s in blocks[b].successors if s > b and s in region_set]
+        if len(successors) < len(blocks[b].successors) or not blocks[b].successors:
+            ends.append(b)
+        for s in successors:
+            if excluded(blocks[s]):
+                continue
+            candidate = (best[b][0] + score(blocks[s]), best[b][1] - cost(blocks[s]), b)
+            if s not in best or candidate[:2] > best[s][:2]:
+                best[s] = candidate
+    if not ends:
+        raise RuntimeError(f"{function.name}: no path through the row region")
+    end = max(ends, key=lambda b: best[b][:2])
+    path = []
+    node: int | None = end
+    while node is not None:
+        path.append(node)
+        node = best[node][2]
+    path.reverse()
+    if DEBUG:
+        for b in path:
+            for i in blocks[b].instructions:
+                if i.address in stream:
+                    print(f"  B{b} {i.address:#x} {i.predicate} {i.opcode} {stream[i.address]}")
+        print(function.name[:60], "path:", " ".join(f"B{b}x{multiplicity[b]:g}({len(blocks[b].instructions)})" for b in path))
+
+    figures = PathFigures()
+    outstanding: dict[int, tuple[set[int], int]] = {}  # load address -> (destination registers, bytes)
+    async_bytes = 0
+    for b in path:
+        weight = multiplicity[b]
+        for i in blocks[b].instructions:
+            figures.instructions += weight
+            figures.fp64 += weight if i.is_fp64 else 0.0
+            figures.barriers += weight if i.op == "BAR" else 0.0
+            if skipped(i):
+                continue
+            s = stream.get(i.address)
+            if s:
+                figures.streams_found.add(s)
+                if s in ELEMENT_STREAMS:
+                    figures.element_bytes += weight * i.access_bytes()
+            reads, writes = i.sources(), i.destinations()
+            for address in [a for a, (regs, _) in outstanding.items() if regs & (reads | writes)]:
+                del outstanding[address]
+            if i.op == "DEPBAR":  # waits for the async copies (all of them: an upper bound on the wait)
+                async_bytes = 0
+            if i.op in sass.GLOBAL_LOADS:
+                outstanding[i.address] = (writes, i.access_bytes())
+            elif i.op in sass.ASYNC_COPIES:
+                async_bytes += i.access_bytes()
+            in_flight = sum(size for _, size in outstanding.values()) + async_bytes
+            row_in_flight = sum(size for a, (_, size) in outstanding.items() if stream.get(a) in ELEMENT_STREAMS)
+            if in_flight > figures.loads_before_use and DEBUG:
+                print(f"  peak {in_flight} B at {i.address:#x}:", [(hex(a), stream.get(a)) for a in outstanding])
+            figures.loads_before_use = max(figures.loads_before_use, in_flight)
+            figures.row_loads_before_use = max(figures.row_loads_before_use, row_in_flight + async_bytes)
+    if first_stream not in figures.streams_found:
+        raise RuntimeError(
+            f"{function.name}: no {first_stream} access found on the path; are FORWARD_POINTERS / BACKWARD_POINTERS "
+            "in step with the kernels' argument structs?"
+        )
+    return figures
+
+
+# ---- the audit -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    arch: str
+    op: str
+    dtype: str
+    direction: str
+    n: int
+    rows: int
+    plan: dict
+    registers: int
+    spill_bytes: int  # STL per thread over the whole kernel (bytes)
+    blocks: int
+    threads_per_sm: int
+    loads_before_use: int
+    row_loads_before_use: int
+    inflight_kb: float  # row-stream loads (DRAM): the target's figure
+    barriers: float
+    fp64: float
+    per_element: float
+    dram_per_element: float
+
+    @property
+    def path(self) -> str:
+        if self.plan["packs"]:
+            return "rows"
+        return "long-staged" if self.plan["staged"] else "long"
+
+    def key(self, metric: str) -> str:
+        return "\t".join((self.arch, self.op, self.dtype, self.direction, str(self.n), metric))
+
+
+def case_rows(dtype: str, n: int) -> int:
+    return max(1, ROWS_BYTES // (n * ELEMENT_BYTES[dtype]))
+
+
+def audit(library: str, archs: Iterable[str], plan_function) -> list[Row]:
+    rows: list[Row] = []
+    for arch_name in archs:
+        arch = ARCHS[arch_name]
+        usage = sass.resource_usage(library, arch_name)
+        demangled = sass.demangle(sass.function_names(usage))
+        by_kernel = {}
+        for name, pretty in demangled.items():
+            base = pretty.split("(", 1)[0].removeprefix("void ").removeprefix("layernorm_ext::cuda::")
+            by_kernel[base] = name
+        cases = [(op, dtype, direction, n) for op in OPS for dtype in DTYPES for direction in DIRECTIONS
+                 for n in SIZES]
+        plans = {}
+        for op, dtype, direction, n in cases:
+            m = case_rows(dtype, n)
+            plan = plan_function(op=op, direction=direction, input_dtype=dtype, rows=m, cols=n, sm_count=arch.sms,
+                                 max_shared_per_block=arch.shared_per_block)
+            plans[(op, dtype, direction, n)] = plan
+        wanted = {by_kernel[p["kernel"]] for p in plans.values() if p["kernel"] in by_kernel}
+        missing = {p["kernel"] for p in plans.values()} - set(by_kernel)
+        if missing:
+            raise RuntimeError(f"{arch_name}: planned kernels not in the library: {sorted(missing)[:3]}")
+        functions = sass.parse_sass(sass.disassemble(library, arch_name, sorted(wanted)), wanted)
+        sass.parse_resource_usage(usage, functions)
+        analyzed: dict[tuple, PathFigures] = {}
+        for (op, dtype, direction, n), plan in plans.items():
+            function = functions[by_kernel[plan["kernel"]]]
+            dynamic = plan["dynamic_shared"]
+            resident = blocks_per_sm(arch, function.registers, function.shared + dynamic, plan["threads"])
+            m = case_rows(dtype, n)
+            if plan["persistent"]:  # the grid the launcher takes from the occupancy API
+                plan = plan_function(op=op, direction=direction, input_dtype=dtype, rows=m, cols=n,
+                                     sm_count=arch.sms, max_shared_per_block=arch.shared_per_block,
+                                     blocks_per_sm=resident)
+            plan = dict(plan, cols=n)
+            key = (plan["kernel"], plan["lanes"], plan["threads"], plan["staged"], -(-n // plan["vec"]))
+            if key not in analyzed:
+                analyzed[key] = analyze_row_path(function, arch, plan, op, direction)
+            figures = analyzed[key]
+            elements_per_thread = n / plan["lanes"]
+            dram = figures.element_bytes / elements_per_thread
+            if direction == "backward":  # partial buffers: the long path's memset, the reduce kernel's read
+                buffers = 1 if op == "rms_norm" else 2
+                partial = plan["grid"] * n * 4 * buffers
+                dram += (2 if not plan["packs"] else 1) * partial / (m * n)
+                if plan["packs"]:
+                    dram += partial / (m * n)  # the rows kernel's own write of its block partials
+            stl = sum(i.access_bytes() for i in function.instructions if i.op == "STL")
+            rows.append(Row(
+                arch=arch_name, op=op, dtype=dtype, direction=direction, n=n, rows=m, plan=plan,
+                registers=function.registers, spill_bytes=stl, blocks=resident,
+                threads_per_sm=resident * plan["threads"], loads_before_use=figures.loads_before_use,
+                row_loads_before_use=figures.row_loads_before_use,
+                inflight_kb=figures.row_loads_before_use * resident * plan["threads"] / 1024,
+                barriers=figures.barriers, fp64=figures.fp64, per_element=figures.instructions / elements_per_thread,
+                dram_per_element=dram,
+            ))
+    return rows
+
+
+# ---- targets ---------------------------------------------------------------------------------------------------
+
+INSTRUCTION_TARGETS = {("layer_norm", "bfloat16", "forward"): 18.0, ("rms_norm", "bfloat16", "forward"): 12.0,
+                       ("layer_norm", "bfloat16", "backward"): 28.0}
+BACKWARD_SMALL_BYTES = 0.5  # per element, beyond 3 x element size: partial buffers, their reduce
+
+
+@dataclass
+class Check:
+    row: Row
+    metric: str
+    value: float
+    target: str
+    met: bool
+    worse_than: float | None = None  # how a known miss's value compares: larger is worse unless noted
+
+
+def targets(row: Row) -> list[Check]:
+    """The issue's targets (sm_90 only)."""
+    if row.arch != TARGET_ARCH:
+        return []
+    s = ELEMENT_BYTES[row.dtype]
+    barrier_target = 1 if row.plan["lanes"] > 32 else 0
+    checks = [
+        Check(row, "inflight_kb", round(row.inflight_kb, 1), ">= 32", row.inflight_kb >= 32),
+        Check(row, "barriers_per_row", round(row.barriers, 1), f"<= {barrier_target}", row.barriers <= barrier_target),
+        Check(row, "fp64_per_row", round(row.fp64, 1), "<= 20", row.fp64 <= 20),
+        Check(row, "spill_bytes", row.spill_bytes, "== 0", row.spill_bytes == 0),
+    ]
+    limit = INSTRUCTION_TARGETS.get((row.op, row.dtype, row.direction))
+    if limit is not None:
+        checks.append(Check(row, "instructions_per_element", round(row.per_element, 1), f"<= {limit:g}",
+                            row.per_element <= limit))
+    dram_limit = 2 * s if row.direction == "forward" else 3 * s + BACKWARD_SMALL_BYTES
+    checks.append(Check(row, "dram_bytes_per_element", round(row.dram_per_element, 2), f"<= {dram_limit:g}",
+                        row.dram_per_element <= dram_limit + 1e-9))
+    return checks
+
+
+def lower_is_better(metric: str) -> bool:
+    return metric != "inflight_kb"
+
+
+def read_known(path: Path) -> dict[str, float]:
+    known = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                *key, kernel, value, target = line.split("\t")
+                known["\t".join(key)] = float(value)
+    return known
+
+
+def write_known(path: Path, checks: list[Check]) -> None:
+    lines = [
+        "# Known misses of benchmarks/kernel_audit.py --check: arch, op, dtype, direction, N, metric, kernel, value "
+        "today, target.",
+        "# A miss not listed here, or a listed one whose value got worse, fails CI. Rewrite with --update-known "
+        "after an improvement (the list only shrinks).",
+    ]
+    for c in checks:
+        if not c.met:
+            lines.append("\t".join((c.row.key(c.metric), c.row.plan["kernel"], f"{c.value:g}", c.target)))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def evaluate(rows: list[Row], known: dict[str, float]) -> tuple[list[str], list[Check], int]:
+    """Lines for every target, the checks, and the count of failures (new misses and regressions)."""
+    lines, checks, failures = [], [], 0
+    for row in rows:
+        for c in targets(row):
+            checks.append(c)
+            label = f"{row.arch} {row.op} {row.dtype} {row.direction} N={row.n} {c.metric}={c.value:g} (target {c.target})"
+            key = row.key(c.metric)
+            if c.met:
+                note = "  [listed as a known miss: remove it with --update-known]" if key in known else ""
+                lines.append(f"target met: {label}{note}")
+            elif key in known:
+                recorded = known[key]
+                worse = c.value > recorded if lower_is_better(c.metric) else c.value < recorded
+                if worse:
+                    failures += 1
+                    lines.append(f"REGRESSION: {label}, known miss at {recorded:g}")
+                else:
+                    lines.append(f"target missed (known): {label}")
+            else:
+                failures += 1
+                lines.append(f"NEW MISS: {label}  kernel {row.plan['kernel']}")
+    return lines, checks, failures
+
+
+# ---- report ----------------------------------------------------------------------------------------------------
+
+HEADER = ("| N | path | thr/row x rows/blk | grid | dyn smem | regs | spill B | CTA/SM | thr/SM "
+          "| B before use/thr (all / rows) | KB in flight/SM | BAR/row | FP64/row | instr/elem | DRAM B/elem |")
+
+
+def table(rows: list[Row]) -> list[str]:
+    out = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
+    for r in rows:
+        p = r.plan
+        out.append(
+            f"| {r.n} | {r.path} | {p['lanes']}x{p['rows_per_block']} | {p['grid']}{' persist' if p['persistent'] else ''} "
+            f"| {p['dynamic_shared']} | {r.registers} | {r.spill_bytes} | {r.blocks} | {r.threads_per_sm} "
+            f"| {r.loads_before_use} / {r.row_loads_before_use} | {r.inflight_kb:.0f} | {r.barriers:.0f} | {r.fp64:.0f} | {r.per_element:.1f} "
+            f"| {r.dram_per_element:.2f} |"
+        )
+    return out
+
+
+def misses_table(checks: list[Check]) -> list[str]:
+    """The missed targets, one line per family and metric: the N that miss and their values."""
+    grouped: dict[tuple, list[Check]] = {}
+    for c in checks:
+        if not c.met:
+            grouped.setdefault((c.row.op, c.row.dtype, c.row.direction, c.metric, c.target), []).append(c)
+    out = ["| op | dtype | direction | metric | target | missed at N (value) |", "|---|---|---|---|---|---|"]
+    for (op, dtype, direction, metric, target), members in grouped.items():
+        values = ", ".join(f"{c.row.n} ({c.value:g})" for c in members)
+        out.append(f"| {op} | {dtype} | {direction} | {metric} | {target} | {values} |")
+    return out
+
+
+def report(rows: list[Row], checks: list[Check], command: str) -> str:
+    met = sum(c.met for c in checks)
+    out = [
+        "# Kernel audit: the compiled CUDA kernels, read without a GPU",
+        "",
+        f"Written by `{command}` (method and caveats: benchmarks/README.md, \"Kernel audit\"). Rows per case: the "
+        "input holds 256 MiB. Per thread and row on the audited call's hot path (weight, and bias for LayerNorm; "
+        "no residual). `B before use/thr`: bytes of global loads a thread has issued and not yet consumed, at the "
+        "peak: all loads / loads of the row's streams (x, dy, saved: DRAM; weight and bias mostly hit L2). "
+        "`KB in flight/SM` = the row streams' figure x threads per SM, the figure the target is set for.",
+        "",
+        f"## Targets (sm_90): {met} of {len(checks)} met",
+        "",
+    ] + misses_table(checks) + [""]
+    families: dict[tuple, list[Row]] = {}
+    for r in rows:
+        families.setdefault((r.arch, r.dtype, r.direction, r.op), []).append(r)
+    for (arch, dtype, direction, op), members in sorted(families.items(), key=lambda kv: (kv[0][0] != "sm_90", kv[0])):
+        kernels = sorted({m.plan["kernel"] for m in members})
+        out += [f"### {arch} {dtype} {direction} {op}", "", "Kernels: " + ", ".join(f"`{k}`" for k in kernels), ""]
+        out += table(members) + [""]
+    return "\n".join(out)
+
+
+def plan_function_from_library():
+    import layernorm_ext  # noqa: F401  (loads the native library)
+    from layernorm_ext import _C
+
+    if not hasattr(_C, "cuda_launch_plan"):
+        raise SystemExit("layernorm_ext was built without its CUDA kernels (FORCE_CUDA=1 to build them)")
+    return _C.cuda_launch_plan, _C.__file__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--archs", default="sm_80,sm_90")
+    parser.add_argument("--out", help="write the Markdown report here")
+    parser.add_argument("--check", action="store_true", help="exit 1 on a new miss or a regression")
+    parser.add_argument("--known", default=str(KNOWN_MISSES_FILE), help="known misses (TSV)")
+    parser.add_argument("--update-known", action="store_true", help="rewrite the known-misses file from this run")
+    args = parser.parse_args(argv)
+    plan_function, library = plan_function_from_library()
+    archs = [a for a in args.archs.split(",") if a]
+    rows = audit(library, archs, plan_function)
+    known = read_known(Path(args.known))
+    lines, checks, failures = evaluate(rows, known)
+    for line in lines:
+        print(line)
+    met = sum(c.met for c in checks)
+    print(f"{len(checks)} targets: {met} met, {len(checks) - met} missed ({failures} new misses or regressions)")
+    if args.update_known:
+        write_known(Path(args.known), checks)
+        print(f"wrote {args.known}")
+    if args.out:
+        command = "python benchmarks/kernel_audit.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        out = Path(args.out)
+        notes = out.read_text().split(NOTES_MARKER, 1)[1] if out.is_file() and NOTES_MARKER in out.read_text() else ""
+        out.write_text(report(rows, checks, command.strip()) + (f"\n{NOTES_MARKER}{notes}" if notes else ""))
+        print(f"wrote {args.out}")
+    return 1 if args.check and failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The deterministic parts of benchmarks/kernel_audit.py: the SASS parser and path analysis on a small fixture
+(tests/data/tiny.sass), the occupancy arithmetic, the known-miss bookkeeping of --check, and the launch plan the
+CUDA dispatcher exposes (layernorm_ext._C.cuda_launch_plan, CUDA builds only; no GPU needed)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import kernel_audit  # noqa: E402
+import sass  # noqa: E402
+
+FIXTURE = REPO / "tests" / "data" / "tiny.sass"
+SM90 = kernel_audit.ARCHS["sm_90"]
+
+
+def _tiny() -> sass.Function:
+    (function,) = sass.parse_sass(FIXTURE.read_text()).values()
+    return function
+
+
+def test_parse_instructions_and_operands():
+    function = _tiny()
+    assert function.name == "_Z4tinyv"
+    assert len(function.instructions) == 34  # NOP included; the encodings' comment lines are not instructions
+    load = function.instructions[8]
+    assert (load.address, load.opcode, load.operands) == (0x80, "LDG.E.128", ["R8", "desc[UR6][R4.64]"])
+    assert load.destinations() == {8, 9, 10, 11} and load.access_bytes() == 16
+    store = next(i for i in function.instructions if i.op == "STG")
+    assert store.destinations() == set() and store.sources() == {4, 5, 12, 13, 14, 15}
+    predicated = function.instructions[12]
+    assert predicated.predicate == "@P1" and predicated.op == "LDG"
+    assert sum(i.is_fp64 for i in function.instructions) == 3  # F2F.F64.F32, DADD, F2F.F32.F64
+
+
+def test_blocks_loops_and_address_parameters():
+    function = _tiny()
+    blocks = sass.basic_blocks(function)
+    assert [(b.start, b.successors) for b in blocks] == [
+        (0x0, [1]), (0x110, [1, 2]), (0x160, [4, 3]), (0x180, [4]), (0x1A0, []), (0x200, [5])]
+    assert [(loop.header, loop.latch) for loop in sass.loops(blocks)] == [(1, 1), (5, 5)]
+    instructions = [i for i in function.instructions if i.op != "NOP"]
+    params = {i.address: sass.address_parameters(instructions, n) for n, i in enumerate(instructions)
+              if i.op in ("LDG", "STG")}
+    assert params == {0x80: {0x210}, 0x90: {0x210}, 0xC0: {0x218}, 0x1E0: {0x230}}
+
+
+@pytest.mark.parametrize("lanes, barriers", [(64, 1), (16, 0)])
+def test_row_path_figures(lanes, barriers):
+    plan = {"lanes": lanes, "threads": lanes, "vec": 8, "cols": lanes * 8, "packs": 1, "staged": False}
+    figures = kernel_audit.analyze_row_path(_tiny(), SM90, plan, "layer_norm", "forward")
+    # Two 16-byte loads of the input issued before the first add reads one; the residual's load is predicated
+    # on its pointer (unused by the audited call) and not counted.
+    assert figures.loads_before_use == figures.row_loads_before_use == 32
+    shuffle_iterations = 5 if lanes >= 32 else 4
+    assert figures.instructions == 17 + 5 * shuffle_iterations + 2 + 2 * barriers + 6
+    assert figures.barriers == barriers  # the cross-warp step only where a row spans warps
+    assert figures.fp64 == 2 + shuffle_iterations
+    assert figures.element_bytes == 48 and figures.streams_found == {"input", "out"}
+
+
+@pytest.mark.parametrize(
+    "registers, shared, threads, expected",
+    [(128, 1216, 512, 1), (128, 9408, 128, 4), (64, 320, 128, 8), (50, 1408, 512, 2), (32, 384, 512, 4),
+     (40, 131456 + 384, 512, 1), (255, 0, 32, 8), (16, 0, 32, 32)],
+)
+def test_blocks_per_sm(registers, shared, threads, expected):
+    assert kernel_audit.blocks_per_sm(SM90, registers, shared, threads) == expected
+
+
+def _row(value: float, metric_value: float = 16.0) -> kernel_audit.Row:
+    plan = {"kernel": "k<float>", "lanes": 128, "rows_per_block": 1, "threads": 128, "packs": 4, "staged": False,
+            "grid": 1, "persistent": False, "dynamic_shared": 0}
+    return kernel_audit.Row(arch="sm_90", op="rms_norm", dtype="float32", direction="forward", n=4096, rows=1,
+                            plan=plan, registers=64, spill_bytes=0, blocks=8, threads_per_sm=1024,
+                            loads_before_use=16, row_loads_before_use=16, inflight_kb=value, barriers=2, fp64=4, per_element=10.0,
+                            dram_per_element=8.0)
+
+
+def test_check_fails_on_new_misses_and_regressions_only(tmp_path):
+    missing = _row(16.0)
+    key = missing.key("inflight_kb")
+    lines, checks, failures = kernel_audit.evaluate([missing], {})
+    assert failures == 2 and any(line.startswith("NEW MISS") and "inflight_kb=16" in line for line in lines)
+    known_file = tmp_path / "known.tsv"
+    kernel_audit.write_known(known_file, checks)
+    known = kernel_audit.read_known(known_file)
+    assert known[key] == 16.0 and len(known) == 2  # in flight and barriers per row
+    lines, _, failures = kernel_audit.evaluate([missing], known)
+    assert failures == 0 and sum(line.startswith("target missed (known)") for line in lines) == 2
+    lines, _, failures = kernel_audit.evaluate([_row(12.0)], known)  # fewer KB in flight than recorded
+    assert failures == 1 and any(line.startswith("REGRESSION") for line in lines)
+    lines, _, failures = kernel_audit.evaluate([_row(40.0)], known)  # met: the entry is to go
+    assert failures == 0 and any("remove it with --update-known" in line for line in lines)
+
+
+# ---- the launch plan (CUDA builds) ------------------------------------------------------------------------
+
+
+def _plan_function():
+    import layernorm_ext  # noqa: F401
+    from layernorm_ext import _C
+
+    if not hasattr(_C, "cuda_launch_plan"):
+        pytest.skip("the library was built without its CUDA kernels")
+    return _C.cuda_launch_plan
+
+
+def _plan(**kwargs):
+    args = {"op": "layer_norm", "direction": "forward", "input_dtype": "bfloat16", "rows": 1000, "cols": 4096,
+            "sm_count": 132, "max_shared_per_block": 232448}
+    args.update(kwargs)
+    return _plan_function()(**args)
+
+
+@pytest.mark.parametrize(
+    "dtype, cols, kernel, lanes, rows_per_block, packs",
+    [
+        ("bfloat16", 256, "forward_rows_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, false, 8, 4>", 8, 16, 4),
+        ("bfloat16", 4096, "forward_rows_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, false, 8, 4>", 128, 1, 4),
+        ("bfloat16", 5125, "forward_long_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, false, 1>", 512, 1, 0),
+        ("float32", 16384, "forward_rows_kernel<float, float, float, false, 4, 8>", 512, 1, 8),
+        ("float32", 7, "forward_rows_kernel<float, float, float, false, 1, 2>", 4, 32, 2),
+        ("bfloat16", 65536, "forward_long_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, false, 8>", 512, 1, 0),
+    ],
+)
+def test_plan_forward(dtype, cols, kernel, lanes, rows_per_block, packs):
+    plan = _plan(input_dtype=dtype, cols=cols)
+    assert (plan["kernel"], plan["lanes"], plan["rows_per_block"], plan["packs"]) == (kernel, lanes, rows_per_block,
+                                                                                      packs)
+    assert plan["threads"] == lanes * rows_per_block and not plan["persistent"]
+    assert plan["grid"] == plan["row_groups"] == -(-1000 // rows_per_block)
+
+
+def test_plan_forward_stages_a_long_row_where_it_fits():
+    staged = _plan(cols=32768)
+    assert staged["staged"] and staged["dynamic_shared"] == 32768 * 4 and staged["kernel"].startswith("forward_long")
+    unstaged = _plan(cols=32768, max_shared_per_block=100 * 1024)
+    assert not unstaged["staged"] and unstaged["dynamic_shared"] == 0
+
+
+def test_plan_backward_is_persistent():
+    uncapped = _plan(direction="backward", op="rms_norm", cols=256, rows=100000)
+    assert uncapped["kernel"] == "backward_rows_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, true, 8, 2>"
+    assert uncapped["persistent"] and uncapped["rows_per_block"] == 8
+    assert uncapped["grid"] == uncapped["row_groups"] == 12500
+    assert uncapped["dynamic_shared"] == 128 * 2 * 8 * 4  # the block's partials combine buffer
+    capped = _plan(direction="backward", op="rms_norm", cols=256, rows=100000, blocks_per_sm=4)
+    assert capped["grid"] == 4 * 132
+    long_rows = _plan(direction="backward", cols=65536, rows=64, blocks_per_sm=2)
+    assert long_rows["kernel"].startswith("backward_long_kernel") and long_rows["grid"] == 64
+
+
+def test_plan_mixed_dtypes_and_errors():
+    plan = _plan(row_dtype="float32", param_dtype="float32")
+    assert plan["kernel"] == "forward_rows_kernel<__nv_bfloat16, float, float, false, 8, 4>"
+    with pytest.raises(ValueError, match="op must be"):
+        _plan(op="batch_norm")
+    with pytest.raises(ValueError, match="dtype must be"):
+        _plan(input_dtype="int8")
