@@ -173,6 +173,16 @@ def _specs() -> list[Spec]:
         for dtype in (F32, BF16)
     ]
     specs.append(_spec("layer_norm", (2, 3), (4, 33)))
+    # Rows of several warps, merged from per-warp moments after one barrier (forward_rows_kernel): a mean far
+    # from zero with a small spread (each warp's moments about its own rounded mean, then Chan's merge), a last
+    # warp holding fewer values than the others (1000 float32: 250 packs of 4 on 64 lanes; 1500 bfloat16: single
+    # elements on 384 lanes, 12 warps, merged over 16 lanes), and a bfloat16 residual read raw beside float rows.
+    specs += [
+        _spec("layer_norm", (9,), (1000,), dtype=F32, wdtype=F32, mean=1e4, std=1e-2),
+        _spec("layer_norm", (3,), (1500,), dtype=BF16, wdtype=F32, mean=300.0, std=0.5),
+        _spec("rms_norm", (3,), (1500,), dtype=BF16, wdtype=BF16, mean=300.0, std=0.5),
+        _spec("add_layer_norm", (9,), (1000,), dtype=F32, wdtype=F32, rdtype=BF16, mean=1e4, std=1e-2),
+    ]
     # The cases that failed the accuracy rule on an H200 (2026-11-30), with the very inputs of test_cuda.py
     # (the seed follows the spec): single rows of 2^18 / 2^20 (a thread of the long path merged hundreds of
     # packs one after another in float: dweight 3-20x ATen's error), LayerNorm of N = 255 (grad_input 3.3e-6

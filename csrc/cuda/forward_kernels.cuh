@@ -74,56 +74,68 @@ struct RowStats {
   A shift, corr, rstd;
 };
 
+// A pack's weight and bias as stored; each only where the tensor is given (bias: LayerNorm).
+template <typename Tw, int kVec>
+struct AffinePack {
+  RawPack<Tw, kVec> weight, bias;
+};
+
+template <typename Tw, bool kRms, typename A, int kVec>
+__device__ __forceinline__ AffinePack<Tw, kVec> load_affine(const ForwardArgs<A>& a, int64_t col_unit) {
+  AffinePack<Tw, kVec> wb{};
+  if (a.weight != nullptr) wb.weight = reinterpret_cast<const RawPack<Tw, kVec>*>(a.weight)[col_unit];
+  if (!kRms && a.bias != nullptr) wb.bias = reinterpret_cast<const RawPack<Tw, kVec>*>(a.bias)[col_unit];
+  return wb;
+}
+
 // y = xhat * scale + bias (LayerNorm) or xhat * scale (RMSNorm), scale = weight + weight_offset, for one
-// pack; with cast_before_weight xhat is rounded to the output dtype first.
+// pack whose weight and bias are already loaded; with `cast` (a.cast_before_weight) xhat is rounded to the
+// output dtype first.
 template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
-__device__ __forceinline__ void normalize_pack(const ForwardArgs<A>& a, int64_t col_unit, const A (&h)[kVec],
-                                               const RowStats<A>& st, A (&y)[kVec]) {
+__device__ __forceinline__ void normalize_pack(const ForwardArgs<A>& a, const A (&h)[kVec], const RowStats<A>& st,
+                                               const AffinePack<Tw, kVec>& wb, bool cast, A (&y)[kVec]) {
 #pragma unroll
   for (int j = 0; j < kVec; ++j) y[j] = kRms ? h[j] * st.rstd : ((h[j] - st.shift) - st.corr) * st.rstd;
   if (a.weight != nullptr) {
-    if (a.cast_before_weight) {
+    if (cast) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) y[j] = to_acc<A>(from_acc<Tin>(y[j]));
     }
-    A w[kVec];
-    load_pack<A, Tw, kVec>(a.weight, col_unit, w);
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) y[j] *= w[j] + a.weight_offset;
+    for (int j = 0; j < kVec; ++j) y[j] *= raw_element<A>(wb.weight, j) + a.weight_offset;
   }
   if (!kRms && a.bias != nullptr) {
-    A b[kVec];
-    load_pack<A, Tw, kVec>(a.bias, col_unit, b);
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) y[j] += b[j];
+    for (int j = 0; j < kVec; ++j) y[j] += raw_element<A>(wb.bias, j);
   }
 }
 
 // out for one pack.
 template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
 __device__ __forceinline__ void normalize_store(const ForwardArgs<A>& a, int64_t row, int64_t col_unit,
-                                                const A (&h)[kVec], const RowStats<A>& st) {
+                                                const A (&h)[kVec], const RowStats<A>& st,
+                                                const AffinePack<Tw, kVec>& wb, bool cast) {
   A y[kVec];
-  normalize_pack<Tin, Tw, kRms, A, kVec>(a, col_unit, h, st, y);
+  normalize_pack<Tin, Tw, kRms, A, kVec>(a, h, st, wb, cast, y);
   store_pack<Tin, A, kVec>(a.out, row * a.units + col_unit, y);
 }
 
 // One pack of the output as the unquantized op returns it (rounded to Tin), as float: what gets quantized.
 template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
-__device__ __forceinline__ void output_floats(const ForwardArgs<A>& a, int64_t col_unit, const A (&h)[kVec],
-                                              const RowStats<A>& st, float (&f)[kVec]) {
+__device__ __forceinline__ void output_floats(const ForwardArgs<A>& a, const A (&h)[kVec], const RowStats<A>& st,
+                                              const AffinePack<Tw, kVec>& wb, float (&f)[kVec]) {
   A y[kVec];
-  normalize_pack<Tin, Tw, kRms, A, kVec>(a, col_unit, h, st, y);
+  normalize_pack<Tin, Tw, kRms, A, kVec>(a, h, st, wb, a.cast_before_weight, y);
 #pragma unroll
   for (int j = 0; j < kVec; ++j) f[j] = static_cast<float>(to_acc<A>(from_acc<Tin>(y[j])));
 }
 
 // absmax folded with the pack's |output| values.
 template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
-__device__ __forceinline__ float fold_absmax(const ForwardArgs<A>& a, int64_t col_unit, const A (&h)[kVec],
-                                             const RowStats<A>& st, float absmax) {
+__device__ __forceinline__ float fold_absmax(const ForwardArgs<A>& a, const A (&h)[kVec], const RowStats<A>& st,
+                                             const AffinePack<Tw, kVec>& wb, float absmax) {
   float f[kVec];
-  output_floats<Tin, Tw, kRms, A, kVec>(a, col_unit, h, st, f);
+  output_floats<Tin, Tw, kRms, A, kVec>(a, h, st, wb, f);
 #pragma unroll
   for (int j = 0; j < kVec; ++j) absmax = quant::nan_max(absmax, fabsf(f[j]));
   return absmax;
@@ -133,9 +145,9 @@ __device__ __forceinline__ float fold_absmax(const ForwardArgs<A>& a, int64_t co
 template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
 __device__ __forceinline__ void quantize_store(const ForwardArgs<A>& a, const QuantArgs& q, int64_t row,
                                                int64_t col_unit, const A (&h)[kVec], const RowStats<A>& st,
-                                               float inv_scale) {
+                                               const AffinePack<Tw, kVec>& wb, float inv_scale) {
   float f[kVec];
-  output_floats<Tin, Tw, kRms, A, kVec>(a, col_unit, h, st, f);
+  output_floats<Tin, Tw, kRms, A, kVec>(a, h, st, wb, f);
   Pack<uint8_t, kVec> codes;
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
@@ -175,38 +187,134 @@ __device__ __forceinline__ RowStats<A> finish_stats(const ForwardArgs<A>& a, int
   return st;
 }
 
+// Whether a residual of dtype r promotes with the input to rows of dtype Th (norm_checks.cpp,
+// residual_out_dtype): the only residual dtypes the register path reads for Th.
+template <typename Th>
+constexpr bool residual_fits(ScalarType r) {
+  if constexpr (std::is_same_v<Th, double>) return true;
+  else if constexpr (sizeof(Th) == 4) return r != ScalarType::Double;
+  else if constexpr (std::is_same_v<Th, __half>) return r == ScalarType::Half;
+  else return r == ScalarType::BFloat16;
+}
+
+// h of a thread's packs with a residual of dtype Tr: x (loaded, not yet converted) + the residual, rounded to
+// Th and written to residual_out. The residual's loads are all issued before the first addition.
+template <typename Tr, typename Tin, typename Th, typename A, int kVec, int kPacks>
+__device__ __forceinline__ void add_residual(const ForwardArgs<A>& a, int64_t first_unit, const bool (&valid)[kPacks],
+                                             const RawPack<Tin, kVec> (&x)[kPacks], A (&h)[kPacks][kVec]) {
+  RawPack<Tr, kVec> r[kPacks];
+  load_packs<Tr, kVec, kPacks>(a.residual, first_unit, a.lanes, valid, r);
+#pragma unroll
+  for (int p = 0; p < kPacks; ++p) {
+    Pack<Th, kVec> rounded;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      rounded.v[j] = from_acc<Th>(raw_element<A>(x[p], j) + raw_element<A>(r[p], j));
+      h[p][j] = to_acc<A>(rounded.v[j]);
+    }
+    if (valid[p]) reinterpret_cast<Pack<Th, kVec>*>(a.residual_out)[first_unit + static_cast<int64_t>(p) * a.lanes] = rounded;
+  }
+}
+
+// Whether the register path loads a row's weight (and bias) with its input, before the statistics: where they fit
+// in registers beside the row and the reduction's temporaries. ptxas for sm_90, the kernels without a residual,
+// bfloat16 rows of 4 packs of 8 per thread: RMSNorm with its weight early 70 registers; LayerNorm 112 with its
+// weight and bias loaded early or all together after the statistics, against 80 with each pack's loaded right
+// before its use (which keeps 768 threads per SM resident instead of 512), so LayerNorm loads them late. A float
+// weight stays late too: float32 RMSNorm took 72 registers with it early against 48 late (at N = 8192, 512
+// threads per SM instead of 1024).
+template <typename A, typename Tw, bool kRms, int kVec, int kPacks>
+constexpr bool early_affine() {
+  return kRms && sizeof(Tw) == 2 && kPacks * kVec * static_cast<int>(sizeof(A) + sizeof(Tw)) <= 192;
+}
+
 // Register path. Thread mapping: block = rows_per_block groups of `lanes` threads; group g handles row
 // blockIdx.x * rows_per_block + g (grid-striding); lane l holds packs l, l + lanes, ... (kPacks of them) of
-// the row in registers as the compute type. Statistics in two passes over the registers: LayerNorm
-// all-reduces the row's sum for a shift (the mean, rounded), then the sums of d = h - shift and d^2 (exact
-// centring: no Welford divisions, and a variance free of the mean's rounding); RMSNorm the sum of squares.
-// Each lane adds its own values in the compute type, the lanes' sums are added in double. Then each lane
-// normalizes the values it holds. kQuant (quantized output): the lane computes its output values twice from
-// the registers, folding their absmax (all-reduced like the sums) for a dynamic scale, then stores codes.
-template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, int kPacks, typename... Quant>
-__global__ void __launch_bounds__(kMaxRowThreads) forward_rows_kernel(ForwardArgs<acc_t<Th>> a, Quant... quant) {
+// the row in registers as the compute type.
+// Loads: every 16-byte load of the row (input, residual; RMSNorm's weight where early_affine) is issued before
+// the first use of any of them, as raw bits; the conversions follow (the residual's dtype is dispatched once per
+// row, outside the pack loops), so that a thread keeps all its packs in flight (with the unpack of each pack and
+// a run-time residual branch between two loads, a bfloat16 thread kept one 16-byte load in flight).
+// Statistics, per warp first (no barrier): LayerNorm all-reduces the warp's sum for a shift (its mean, rounded),
+// then the sums of d = h - shift and d^2 (exact centring: no Welford divisions, and a variance free of the
+// mean's rounding); RMSNorm the sum of squares. Each lane adds its own values in the compute type, the lanes'
+// sums are added in double. A row in one (sub-)warp is done there; a row of several warps takes one
+// shared-memory round (double-buffered by row parity: one barrier per row) and merges the warps' moments
+// (merge_warp_moments). Then each lane normalizes the values it holds. kQuant (quantized output): the lane
+// computes its output values twice from the registers, folding their absmax (all-reduced over the row) for a
+// dynamic scale, then stores codes.
+// kResidual (a.residual given) is a compile-time flag: the kernel without one keeps no registers for the
+// residual's packs and no branch on it. Occupancy: one block of kMaxRowThreads per SM at least (128 registers);
+// two (64 registers) spilled 236 bytes in the bfloat16 RMSNorm kernel.
+template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual, typename... Quant>
+__global__ void __launch_bounds__(kMaxRowThreads, 1)
+    forward_rows_kernel(ForwardArgs<acc_t<Th>> a, Quant... quant) {
   using A = acc_t<Th>;
   constexpr bool kQuant = sizeof...(Quant) == 1;
-  using Moments = Sums<double, kRms ? 1 : 2>;
-  __shared__ Sums<A, 1> shift_scratch[kMaxRowThreads / 32];
-  __shared__ Moments scratch[kMaxRowThreads / 32];
+  using WarpState = std::conditional_t<kRms, Sums<double, 1>, WarpMoments>;
+  __shared__ WarpState scratch[2][kMaxRowThreads / 32];
+  constexpr bool kEarlyAffine = early_affine<A, Tw, kRms, kVec, kPacks>();
   const int group = threadIdx.x / a.lanes;
   const int lane = threadIdx.x % a.lanes;
+  const int warp_lanes = a.lanes < 32 ? a.lanes : 32;
+  const int warps = a.lanes / 32;  // > 1: the row spans the block
+  // Values of the row in this thread's warp, and their reciprocal (the warp's mean from its sum).
+  double warp_count = static_cast<double>(a.cols), inv_warp_count = a.inv_cols;
+  if (a.lanes > 32) {
+    const int64_t warp_first = lane / 32 * 32;
+    int64_t count = 0;
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+      const int64_t left = a.units - (static_cast<int64_t>(p) * a.lanes + warp_first);
+      count += left < 0 ? 0 : (left < 32 ? left : 32);
+    }
+    warp_count = static_cast<double>(count * kVec);
+    inv_warp_count = reciprocal(warp_count);
+  }
+  int parity = 0;
   const int64_t row_step = static_cast<int64_t>(gridDim.x) * a.rows_per_block;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * a.rows_per_block; base < a.rows; base += row_step) {
     const int64_t row = base + group;
     const bool row_ok = row < a.rows;
+    bool valid[kPacks];  // this lane's packs of the row (absent ones are zeros)
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) valid[p] = row_ok && p * a.lanes + lane < a.units;
+    const int64_t first_unit = row * a.units + lane;
+    RawPack<Tin, kVec> x[kPacks];
+    load_packs<Tin, kVec, kPacks>(a.input, first_unit, a.lanes, valid, x);
+    // The weight is needed only after the statistics: loaded now where the registers allow, its latency hidden
+    // behind the row's and the reduction's.
+    AffinePack<Tw, kVec> wb[kEarlyAffine ? kPacks : 1];
+    if constexpr (kEarlyAffine) {
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+        wb[p] = AffinePack<Tw, kVec>{};
+        if (valid[p]) wb[p] = load_affine<Tw, kRms, A, kVec>(a, p * a.lanes + lane);
+      }
+    }
     A h[kPacks][kVec];
-    int held = 0;  // packs this lane holds (the first `held`)
+    if constexpr (!kResidual) {
 #pragma unroll
-    for (int p = 0; p < kPacks; ++p) {
-      const int64_t unit = static_cast<int64_t>(p) * a.lanes + lane;
-      if (row_ok && unit < a.units) {
-        load_h<Tin, Th, A, kVec>(a, row * a.units + unit, h[p]);
-        ++held;
-      } else {
+      for (int p = 0; p < kPacks; ++p)
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) h[p][j] = A(0);
+        for (int j = 0; j < kVec; ++j) h[p][j] = raw_element<A>(x[p], j);
+    } else {
+      // Only the residual dtypes that promote with the input to Th (residual_fits, asserted by the launcher).
+      switch (a.residual_type) {
+        case ScalarType::Double:
+          if constexpr (residual_fits<Th>(ScalarType::Double)) add_residual<double, Tin, Th, A, kVec, kPacks>(a, first_unit, valid, x, h);
+          break;
+        case ScalarType::Half:
+          if constexpr (residual_fits<Th>(ScalarType::Half)) add_residual<__half, Tin, Th, A, kVec, kPacks>(a, first_unit, valid, x, h);
+          break;
+        case ScalarType::BFloat16:
+          if constexpr (residual_fits<Th>(ScalarType::BFloat16)) {
+            add_residual<__nv_bfloat16, Tin, Th, A, kVec, kPacks>(a, first_unit, valid, x, h);
+          }
+          break;
+        default:
+          if constexpr (residual_fits<Th>(ScalarType::Float)) add_residual<float, Tin, Th, A, kVec, kPacks>(a, first_unit, valid, x, h);
+          break;
       }
     }
     A shift = A(0);
@@ -216,13 +324,13 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_rows_kernel(ForwardArg
       for (int p = 0; p < kPacks; ++p)
 #pragma unroll
         for (int j = 0; j < kVec; ++j) sum += h[p][j];
-      const Sums<A, 1> total = row_allreduce(Sums<A, 1>{{sum}}, a.lanes, shift_scratch);
-      shift = static_cast<A>(static_cast<double>(total.v[0]) * a.inv_cols);
+      const Sums<A, 1> total = warp_allreduce(Sums<A, 1>{{sum}}, warp_lanes);
+      shift = static_cast<A>(static_cast<double>(total.v[0]) * inv_warp_count);
     }
     A first = A(0), second = A(0);  // LayerNorm: sum(d), sum(d^2); RMSNorm: sum(h^2)
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
-      if (p < held) {
+      if (valid[p]) {
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
           const A d = h[p][j] - shift;
@@ -239,7 +347,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_rows_kernel(ForwardArg
         first_sum = second_sum = 0.0;
 #pragma unroll
         for (int p = 0; p < kPacks; ++p) {
-          if (p < held) {
+          if (valid[p]) {
 #pragma unroll
             for (int j = 0; j < kVec; ++j) {
               const double d = static_cast<double>(h[p][j]) - static_cast<double>(shift);
@@ -250,26 +358,45 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_rows_kernel(ForwardArg
         }
       }
     }
-    Moments m;
-    if constexpr (kRms) {
-      m.v[0] = second_sum;
-    } else {
-      m.v[0] = first_sum;
-      m.v[1] = second_sum;
-    }
-    m = row_allreduce(m, a.lanes, scratch);
     RowStats<A> st;
+    const bool writer = row_ok && lane == 0;
     if constexpr (kRms) {
-      st = finish_stats<kRms>(a, row, row_ok && lane == 0, A(0), 0.0, m.v[0] * a.inv_cols);
+      double squares = warp_allreduce(Sums<double, 1>{{second_sum}}, warp_lanes).v[0];
+      if (warps > 1) {
+        if ((lane & 31) == 0) scratch[parity][lane / 32] = Sums<double, 1>{{squares}};
+        __syncthreads();
+        squares = merge_warp_sums(scratch[parity], warps);
+      }
+      st = finish_stats<kRms>(a, row, writer, A(0), 0.0, squares * a.inv_cols);
     } else {
-      const double rest = m.v[0] * a.inv_cols;  // mean(d): what the shift lacks of the mean
-      st = finish_stats<kRms>(a, row, row_ok && lane == 0, shift, rest, m.v[1] * a.inv_cols - rest * rest);
+      const Sums<double, 2> m = warp_allreduce(Sums<double, 2>{{first_sum, second_sum}}, warp_lanes);
+      const double rest = m.v[0] * inv_warp_count;  // mean(d): what the shift lacks of the warp's mean
+      if (warps == 0 || warps == 1) {
+        st = finish_stats<kRms>(a, row, writer, shift, rest, m.v[1] * a.inv_cols - rest * rest);
+      } else {
+        if ((lane & 31) == 0) {
+          scratch[parity][lane / 32] = WarpMoments{warp_count, static_cast<double>(shift) + rest, m.v[1] - m.v[0] * rest};
+        }
+        __syncthreads();
+        double mean, m2;
+        merge_warp_moments(scratch[parity], warps, a.inv_cols, mean, m2);
+        const A row_shift = static_cast<A>(mean);
+        st = finish_stats<kRms>(a, row, writer, row_shift, mean - static_cast<double>(row_shift), m2 * a.inv_cols);
+      }
     }
+    parity ^= 1;  // the next row's round writes the other half: no second barrier
+    auto affine = [&](int p) {
+      if constexpr (kEarlyAffine) return wb[p];
+      else return load_affine<Tw, kRms, A, kVec>(a, p * a.lanes + lane);  // valid[p]: the caller's test
+    };
     if constexpr (!kQuant) {
+      // cast_before_weight stays a uniform run-time test: two store loops, one per value, took 8 to 10 more
+      // registers.
 #pragma unroll
       for (int p = 0; p < kPacks; ++p) {
-        if (p < held) {
-          normalize_store<Tin, Tw, kRms, A, kVec>(a, row, static_cast<int64_t>(p) * a.lanes + lane, h[p], st);
+        if (valid[p]) {
+          const int col_unit = p * a.lanes + lane;  // < units: an int
+          normalize_store<Tin, Tw, kRms, A, kVec>(a, row, col_unit, h[p], st, affine(p), a.cast_before_weight);
         }
       }
     } else {
@@ -281,17 +408,17 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_rows_kernel(ForwardArg
       if (q.scale == nullptr) {
 #pragma unroll
         for (int p = 0; p < kPacks; ++p) {
-          if (p < held) {
-            absmax = fold_absmax<Tin, Tw, kRms, A, kVec>(a, static_cast<int64_t>(p) * a.lanes + lane, h[p], st, absmax);
+          if (valid[p]) {
+            absmax = fold_absmax<Tin, Tw, kRms, A, kVec>(a, h[p], st, affine(p), absmax);
           }
         }
       }
-      const float inv_scale = row_inv_scale(q, row, row_ok && lane == 0, absmax, a.lanes, absmax_scratch);
+      const float inv_scale = row_inv_scale(q, row, writer, absmax, a.lanes, absmax_scratch);
 #pragma unroll
       for (int p = 0; p < kPacks; ++p) {
-        if (p < held) {
-          quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row, static_cast<int64_t>(p) * a.lanes + lane, h[p], st,
-                                                 inv_scale);
+        if (valid[p]) {
+          const int col_unit = p * a.lanes + lane;
+          quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row, col_unit, h[p], st, affine(p), inv_scale);
         }
       }
     }
@@ -363,7 +490,8 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       for (int64_t unit = threadIdx.x; unit < a.units; unit += blockDim.x) {
         A h[kVec];
         reload(unit, h);
-        normalize_store<Tin, Tw, kRms, A, kVec>(a, row, unit, h, st);
+        normalize_store<Tin, Tw, kRms, A, kVec>(a, row, unit, h, st, load_affine<Tw, kRms, A, kVec>(a, unit),
+                                                a.cast_before_weight);
       }
     } else {
       // Quantized output: a pass for the absmax (dynamic scale), then one for the codes.
@@ -374,7 +502,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
         for (int64_t unit = threadIdx.x; unit < a.units; unit += blockDim.x) {
           A h[kVec];
           reload(unit, h);
-          absmax = fold_absmax<Tin, Tw, kRms, A, kVec>(a, unit, h, st, absmax);
+          absmax = fold_absmax<Tin, Tw, kRms, A, kVec>(a, h, st, load_affine<Tw, kRms, A, kVec>(a, unit), absmax);
         }
       }
       const float inv_scale =
@@ -382,7 +510,8 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       for (int64_t unit = threadIdx.x; unit < a.units; unit += blockDim.x) {
         A h[kVec];
         reload(unit, h);
-        quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row, unit, h, st, inv_scale);
+        quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row, unit, h, st, load_affine<Tw, kRms, A, kVec>(a, unit),
+                                               inv_scale);
       }
     }
     if (staged) __syncthreads();  // the next row overwrites the stage

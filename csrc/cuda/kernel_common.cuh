@@ -32,6 +32,7 @@ inline c10::DataPtr workspace(size_t bytes) { return c10::cuda::CUDACachingAlloc
 #endif
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "../norm_params.h"
@@ -88,6 +89,56 @@ __device__ __forceinline__ void store_pack(void* base, int64_t unit, const A (&i
 #pragma unroll
   for (int j = 0; j < kVec; ++j) pack.v[j] = from_acc<T>(in[j]);
   reinterpret_cast<Pack<T, kVec>*>(base)[unit] = pack;
+}
+
+// kVec elements of T as loaded: the raw bits in 32-bit words (16-bit ones for a single half element). A load
+// fills whole registers that nothing touches until the element's first use; a Pack of 16-bit elements is split
+// into a register per element right at the load, which makes the next load wait for this one's data.
+template <typename T, int kVec>
+struct alignas(sizeof(T) * kVec < 16 ? sizeof(T) * kVec : 16) RawPack {
+  static constexpr int kBytes = static_cast<int>(sizeof(T)) * kVec;
+  using Word = std::conditional_t<kBytes % 4 == 0, uint32_t, uint16_t>;
+  Word w[kBytes / sizeof(Word)];
+};
+
+template <typename To, typename From>
+__device__ __forceinline__ To bits_as(From v) {
+  static_assert(sizeof(To) == sizeof(From), "same size");
+  To r;
+  memcpy(&r, &v, sizeof(To));
+  return r;
+}
+
+// Element j of a raw pack in the compute type A (bfloat16 -> float is a shift of its bits: exact).
+template <typename A, typename T, int kVec>
+__device__ __forceinline__ A raw_element(const RawPack<T, kVec>& r, int j) {
+  if constexpr (sizeof(T) == 2) {
+    using Word = typename RawPack<T, kVec>::Word;
+    const uint32_t word = r.w[j * 2 / static_cast<int>(sizeof(Word))];
+    const bool high = sizeof(Word) == 4 && (j & 1) != 0;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      return static_cast<A>(bits_as<float>(high ? (word & 0xffff0000u) : (word << 16)));
+    } else {
+      return static_cast<A>(__half2float(__ushort_as_half(static_cast<unsigned short>(high ? word >> 16 : word & 0xffffu))));
+    }
+  } else if constexpr (sizeof(T) == 4) {
+    return static_cast<A>(bits_as<float>(r.w[j]));
+  } else {
+    return static_cast<A>(bits_as<double>(static_cast<uint64_t>(r.w[2 * j + 1]) << 32 | r.w[2 * j]));
+  }
+}
+
+// The kPacks raw packs of a thread, units first_unit + p * stride: the loads are issued one after another, none
+// waits for another's data. Packs not `valid` are zeros.
+template <typename T, int kVec, int kPacks>
+__device__ __forceinline__ void load_packs(const void* base, int64_t first_unit, int stride,
+                                           const bool (&valid)[kPacks], RawPack<T, kVec> (&out)[kPacks]) {
+  const RawPack<T, kVec>* packs = reinterpret_cast<const RawPack<T, kVec>*>(base) + first_unit;
+#pragma unroll
+  for (int p = 0; p < kPacks; ++p) {
+    out[p] = RawPack<T, kVec>{};  // zeros first, then a predicated load: a select after the load would wait for it
+    if (valid[p]) out[p] = packs[static_cast<int64_t>(p) * stride];
+  }
 }
 
 // A pack of a tensor whose dtype is known only at run time (the residual: any float dtype). The branch is
@@ -165,17 +216,23 @@ __device__ __forceinline__ AbsMax shfl_xor(const AbsMax& s, int offset) {
   return {__shfl_xor_sync(0xffffffffu, s.v, offset)};
 }
 
+// Butterfly all-reduce over `width` lanes (a power of two up to 32, aligned inside the warp); no barrier.
+template <typename Stat>
+__device__ __forceinline__ Stat warp_allreduce(Stat s, int width) {
+  for (int offset = 1; offset < width; offset <<= 1) {
+    const Stat other = shfl_xor(s, offset);
+    const bool upper = (threadIdx.x & offset) != 0;
+    s = upper ? combine(other, s) : combine(s, other);
+  }
+  return s;
+}
+
 // All-reduce over the `lanes` threads of one row: a power of two up to 32 (a sub-warp, aligned inside its
 // warp), or a multiple of 32 spanning the whole block. Every thread of the block must call it. `scratch`:
 // shared memory for one Stat per warp.
 template <typename Stat>
 __device__ __forceinline__ Stat row_allreduce(Stat s, int lanes, Stat* scratch) {
-  const int warp_lanes = lanes < 32 ? lanes : 32;
-  for (int offset = 1; offset < warp_lanes; offset <<= 1) {
-    const Stat other = shfl_xor(s, offset);
-    const bool upper = (threadIdx.x & offset) != 0;
-    s = upper ? combine(other, s) : combine(s, other);
-  }
+  s = warp_allreduce(s, lanes < 32 ? lanes : 32);
   if (lanes > 32) {
     const int warp = threadIdx.x / 32;
     if ((threadIdx.x & 31) == 0) scratch[warp] = s;
@@ -185,6 +242,40 @@ __device__ __forceinline__ Stat row_allreduce(Stat s, int lanes, Stat* scratch) 
     __syncthreads();  // scratch may be reused by the next reduction
   }
   return s;
+}
+
+// Moments of one warp's part of a row, in double: its count, mean and sum of squared deviations from that mean.
+struct WarpMoments {
+  double n, mean, m2;
+};
+
+// Smallest power of two >= v (v <= 32).
+__device__ __forceinline__ int pow2_at_least(int v) {
+  int p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+// The row's mean and M2 from its `warps` warps' moments in shared memory (Chan's merge for many parts at once:
+// M2 = sum of (m2_w + n_w (mean_w - mean)^2)). Lane w of each group of `width` lanes takes warp w's moments
+// and the group adds them with butterflies: every thread gets the same bits, and a row costs one barrier (the
+// caller's, before).
+__device__ __forceinline__ void merge_warp_moments(const WarpMoments* scratch, int warps, double inv_cols,
+                                                   double& mean, double& m2) {
+  const int width = pow2_at_least(warps);
+  const int part = threadIdx.x & (width - 1);  // each group of `width` lanes adds all the warps' parts
+  const bool mine = part < warps;
+  const WarpMoments w = mine ? scratch[part] : WarpMoments{0.0, 0.0, 0.0};
+  mean = warp_allreduce(Sums<double, 1>{{w.n * w.mean}}, width).v[0] * inv_cols;
+  const double dev = w.mean - mean;
+  m2 = warp_allreduce(Sums<double, 1>{{mine ? w.m2 + w.n * dev * dev : 0.0}}, width).v[0];  // absent warps: no 0 * inf
+}
+
+// The row's sum from its `warps` warps' sums in shared memory, the same way (one barrier, the caller's).
+__device__ __forceinline__ double merge_warp_sums(const Sums<double, 1>* scratch, int warps) {
+  const int width = pow2_at_least(warps);
+  const int part = threadIdx.x & (width - 1);
+  return warp_allreduce(Sums<double, 1>{{part < warps ? scratch[part].v[0] : 0.0}}, width).v[0];
 }
 
 constexpr int kMaxRowThreads = 512;   // threads per row of the register paths, and block size of the long path

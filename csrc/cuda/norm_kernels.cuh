@@ -13,7 +13,8 @@
 // Statistics: rows in registers take two passes over them (LayerNorm: the sum for a shift, the rounded mean;
 // then the sums of h - shift and of its square; RMSNorm: the sum of squares). Each thread adds its own
 // values in the compute type; the threads' sums are added in double over __shfl_xor_sync butterflies, always
-// lower lane first so every lane gets the same bits, then across warps through shared memory in warp order.
+// lower lane first so every lane gets the same bits; the forward then merges the warps' moments after one
+// shared-memory round (one barrier per row), the backward adds the warps' sums in warp order.
 // Long rows merge per-thread Welford states (count, mean, M2) in double with Chan's formula. rstd is rounded
 // once from a double variance. The backward corrects xhat for the stored mean's rounding (delta = mean(d)).
 //
@@ -204,20 +205,28 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
   a.cast_before_weight = p.cast_before_weight;
   a.residual_type = p.residual_type;
   const QuantArgs q{p.codes, p.scale, p.scale_ub, p.row_scales, p.quant_type == ScalarType::Char};
+  TORCH_INTERNAL_ASSERT(p.residual == nullptr || residual_fits<Th>(p.residual_type),
+                        "layernorm_ext: a residual dtype that does not promote to the rows' dtype");
   constexpr int kMax = max_packs<A, kVec>(false);
   const LaunchPlan plan = plan_forward_vec<Tin, Th, Tw, kRms, kVec, kQuant>(p.rows, p.cols, current_device_limits());
   a.lanes = plan.lanes;
   a.rows_per_block = plan.rows_per_block;
   const unsigned grid = static_cast<unsigned>(plan.grid);
   if (plan.packs > 0) {
-    with_packs<kMax>(plan.packs, [&](auto packs) {
+    auto launch_rows = [&](auto packs, auto residual) {
+      constexpr int kPacks = decltype(packs)::value;
+      constexpr bool kResidual = decltype(residual)::value;
       if constexpr (kQuant) {
-        auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, decltype(packs)::value, QuantArgs>;
+        auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, kResidual, QuantArgs>;
         LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, q);
       } else {
-        auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, decltype(packs)::value>;
+        auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, kResidual>;
         LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a);
       }
+    };
+    with_packs<kMax>(plan.packs, [&](auto packs) {
+      if (p.residual != nullptr) launch_rows(packs, std::true_type{});
+      else launch_rows(packs, std::false_type{});
     });
   } else {
     auto launch = [&](auto kernel, auto... quant) {

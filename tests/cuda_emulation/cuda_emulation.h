@@ -38,6 +38,7 @@ using __half = c10::Half;
 using __nv_bfloat16 = c10::BFloat16;
 
 inline float __half2float(__half v) { return static_cast<float>(v); }
+inline __half __ushort_as_half(unsigned short bits) { return __half(bits, __half::from_bits()); }
 inline __half __float2half_rn(float v) { return __half(v); }
 inline __half __double2half(double v) { return __half(static_cast<float>(v)); }
 inline float __bfloat162float(__nv_bfloat16 v) { return static_cast<float>(v); }
