@@ -594,7 +594,9 @@ def main(argv: list[str] | None = None) -> int:
         write_known(Path(args.known), checks)
         print(f"wrote {args.known}")
     if args.out:
-        command = "python benchmarks/kernel_audit.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        # The command that writes the same file again (--check / --update-known change nothing in it).
+        kept = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--check", "--update-known")]
+        command = "python benchmarks/kernel_audit.py " + " ".join(kept)
         out = Path(args.out)
         notes = out.read_text().split(NOTES_MARKER, 1)[1] if out.is_file() and NOTES_MARKER in out.read_text() else ""
         out.write_text(report(rows, checks, command.strip()) + (f"\n{NOTES_MARKER}{notes}" if notes else ""))
