@@ -141,31 +141,32 @@ __device__ __forceinline__ float fold_absmax(const ForwardArgs<A>& a, const A (&
   return absmax;
 }
 
-// The quantized codes of one pack, given the row's 1 / scale.
+// The quantized codes of one pack, given how the row's y is scaled (quant::scaling: vLLM's divide or multiply).
 template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
 __device__ __forceinline__ void quantize_store(const ForwardArgs<A>& a, const QuantArgs& q, int64_t row,
                                                int64_t col_unit, const A (&h)[kVec], const RowStats<A>& st,
-                                               const AffinePack<Tw, kVec>& wb, float inv_scale) {
+                                               const AffinePack<Tw, kVec>& wb, quant::Scaling scaling) {
   float f[kVec];
   output_floats<Tin, Tw, kRms, A, kVec>(a, h, st, wb, f);
   Pack<uint8_t, kVec> codes;
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
-    codes.v[j] = q.int8 ? static_cast<uint8_t>(quant::to_int8(f[j] * inv_scale)) : quant::to_e4m3fn(f[j] * inv_scale);
+    const float v = quant::scaled(f[j], scaling);
+    codes.v[j] = q.int8 ? static_cast<uint8_t>(quant::to_int8(v)) : quant::to_e4m3fn(v);
   }
   reinterpret_cast<Pack<uint8_t, kVec>*>(q.codes)[row * a.units + col_unit] = codes;
 }
 
-// The row's 1 / scale for its codes: the static scale's, or the dynamic one from the row's absmax (each
+// How the row's codes are scaled: by the static scale, or by the dynamic one from the row's absmax (each
 // thread's own, all-reduced over the row's `lanes` threads), which `writer` stores. In dynamic mode every
 // thread of the block must call it (the all-reduce).
-__device__ __forceinline__ float row_inv_scale(const QuantArgs& q, int64_t row, bool writer, float absmax, int lanes,
+__device__ __forceinline__ quant::Scaling row_scaling(const QuantArgs& q, int64_t row, bool writer, float absmax, int lanes,
                                                AbsMax* scratch) {
-  if (q.scale != nullptr) return 1.0f / *q.scale;
+  if (q.scale != nullptr) return quant::scaling(*q.scale, /*is_static=*/true, q.int8);
   absmax = row_allreduce(AbsMax{absmax}, lanes, scratch).v;
   const float scale = quant::dynamic_scale(absmax, q.scale_ub, q.int8);
   if (writer) q.row_scales[row] = scale;
-  return 1.0f / scale;
+  return quant::scaling(scale, /*is_static=*/false, q.int8);
 }
 
 // The row's statistics from its mean, given as shift + mean_rest (shift of the compute type, the rest in
@@ -413,12 +414,12 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
           }
         }
       }
-      const float inv_scale = row_inv_scale(q, row, writer, absmax, a.lanes, absmax_scratch);
+      const quant::Scaling scaling = row_scaling(q, row, writer, absmax, a.lanes, absmax_scratch);
 #pragma unroll
       for (int p = 0; p < kPacks; ++p) {
         if (valid[p]) {
           const int col_unit = p * a.lanes + lane;
-          quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row, col_unit, h[p], st, affine(p), inv_scale);
+          quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row, col_unit, h[p], st, affine(p), scaling);
         }
       }
     }
@@ -505,13 +506,13 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
           absmax = fold_absmax<Tin, Tw, kRms, A, kVec>(a, h, st, load_affine<Tw, kRms, A, kVec>(a, unit), absmax);
         }
       }
-      const float inv_scale =
-          row_inv_scale(q, row, threadIdx.x == 0, absmax, static_cast<int>(blockDim.x), absmax_scratch);
+      const quant::Scaling scaling =
+          row_scaling(q, row, threadIdx.x == 0, absmax, static_cast<int>(blockDim.x), absmax_scratch);
       for (int64_t unit = threadIdx.x; unit < a.units; unit += blockDim.x) {
         A h[kVec];
         reload(unit, h);
         quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row, unit, h, st, load_affine<Tw, kRms, A, kVec>(a, unit),
-                                               inv_scale);
+                                               scaling);
       }
     }
     if (staged) __syncthreads();  // the next row overwrites the stage
