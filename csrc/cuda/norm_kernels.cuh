@@ -143,12 +143,15 @@ constexpr const char* type_name() {
   else return "float";
 }
 
+// residual: the register-path forward's compile-time residual flag (packs > 0 there); the plan names the
+// variant without a residual.
 template <typename... T>
-std::string kernel_name(const char* function, bool rms, int vec, int packs, bool quant) {
+std::string kernel_name(const char* function, bool rms, int vec, int packs, bool quant, bool residual = false) {
   std::string name = std::string(function) + "<";
   for (const char* type : {type_name<T>()...}) name += std::string(type) + ", ";
   name += std::string(rms ? "true" : "false") + ", " + std::to_string(vec);
   if (packs > 0) name += ", " + std::to_string(packs);
+  if (std::string(function) == "forward_rows_kernel") name += residual ? ", true" : ", false";
   if (quant) name += ", layernorm_ext::cuda::QuantArgs";
   return name + ">";
 }
