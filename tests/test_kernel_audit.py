@@ -121,11 +121,11 @@ def _plan(**kwargs):
 @pytest.mark.parametrize(
     "dtype, cols, kernel, lanes, rows_per_block, packs",
     [
-        ("bfloat16", 256, "forward_rows_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, false, 8, 4>", 8, 16, 4),
-        ("bfloat16", 4096, "forward_rows_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, false, 8, 4>", 128, 1, 4),
+        ("bfloat16", 256, "forward_rows_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, false, 8, 4, false>", 8, 16, 4),
+        ("bfloat16", 4096, "forward_rows_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, false, 8, 4, false>", 128, 1, 4),
         ("bfloat16", 5125, "forward_long_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, false, 1>", 512, 1, 0),
-        ("float32", 16384, "forward_rows_kernel<float, float, float, false, 4, 8>", 512, 1, 8),
-        ("float32", 7, "forward_rows_kernel<float, float, float, false, 1, 2>", 4, 32, 2),
+        ("float32", 16384, "forward_rows_kernel<float, float, float, false, 4, 8, false>", 512, 1, 8),
+        ("float32", 7, "forward_rows_kernel<float, float, float, false, 1, 2, false>", 4, 32, 2),
         ("bfloat16", 65536, "forward_long_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, false, 8>", 512, 1, 0),
     ],
 )
@@ -158,7 +158,7 @@ def test_plan_backward_is_persistent():
 
 def test_plan_mixed_dtypes_and_errors():
     plan = _plan(row_dtype="float32", param_dtype="float32")
-    assert plan["kernel"] == "forward_rows_kernel<__nv_bfloat16, float, float, false, 8, 4>"
+    assert plan["kernel"] == "forward_rows_kernel<__nv_bfloat16, float, float, false, 8, 4, false>"
     with pytest.raises(ValueError, match="op must be"):
         _plan(op="batch_norm")
     with pytest.raises(ValueError, match="dtype must be"):
