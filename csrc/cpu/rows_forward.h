@@ -27,6 +27,9 @@ void add_row(const void* x_ptr, const void* r_ptr, void* h_ptr, int64_t offset, 
 // LayerNorm's one-pass variance about a shift s loses (mean - s)^2 / var relative precision: above this
 // ratio the sums are taken again about the mean.
 constexpr double kMaxShiftSq = 0.25;
+// A float64 mean found as shift + sum(x - shift) / n keeps an ulp of |mean - shift|: beyond this fraction of
+// |mean| the sums are taken again about the mean (float rows round their mean to float, far coarser).
+constexpr double kMaxDoubleShift = 0x1p-4;
 
 // out = xhat * weight + bias over one row, xhat = (x - hi) * rstd - lo * rstd (LayerNorm) or x * rstd (RMSNorm);
 // the flags are template arguments so that the loop has no branch but the tail. round_first (cast_before_weight,
@@ -231,7 +234,8 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
       };
       Pair<double> stats = centered_stats(shift);
       const double offset = stats.first - static_cast<double>(shift);
-      if (offset * offset > kMaxShiftSq * stats.second) stats = centered_stats(static_cast<C>(stats.first));
+      const bool coarse_mean = std::is_same_v<C, double> && __builtin_fabs(offset) > kMaxDoubleShift * __builtin_fabs(stats.first);
+      if (offset * offset > kMaxShiftSq * stats.second || coarse_mean) stats = centered_stats(static_cast<C>(stats.first));
       const auto [mean, var] = stats;
       mean_hi = static_cast<C>(mean);
       mean_lo = static_cast<C>(mean - static_cast<double>(mean_hi));

@@ -254,6 +254,9 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
   constexpr bool kQuant = sizeof...(Quant) == 1;
   using WarpState = std::conditional_t<kRms, Sums<double, 1>, WarpMoments>;
   __shared__ WarpState scratch[2][kMaxRowThreads / 32];
+  // float64 LayerNorm rows of several warps: the second round's sums (see the merge below).
+  constexpr int kDeviationWarps = !kRms && std::is_same_v<A, double> ? kMaxRowThreads / 32 : 1;
+  __shared__ Sums<double, 1> deviations[2][kDeviationWarps];
   constexpr bool kEarlyAffine = early_affine<A, Tw, kRms, kVec, kPacks>();
   const int group = threadIdx.x / a.lanes;
   const int lane = threadIdx.x % a.lanes;
@@ -382,7 +385,25 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
         double mean, m2;
         merge_warp_moments(scratch[parity], warps, a.inv_cols, mean, m2);
         const A row_shift = static_cast<A>(mean);
-        st = finish_stats<kRms>(a, row, writer, row_shift, mean - static_cast<double>(row_shift), m2 * a.inv_cols);
+        double mean_rest = mean - static_cast<double>(row_shift);
+        if constexpr (std::is_same_v<A, double>) {
+          // The merged mean keeps an ulp or two of the warps' means (1.6 ulps where ATen's is 0.4, rows of 1000
+          // float64): the deviations from it, summed from the registers, correct it (a second barrier, float64 only).
+          double deviation = 0.0;
+#pragma unroll
+          for (int p = 0; p < kPacks; ++p) {
+            if (valid[p]) {
+#pragma unroll
+              for (int j = 0; j < kVec; ++j) deviation += h[p][j] - row_shift;
+            }
+          }
+          deviation = warp_allreduce(Sums<double, 1>{{deviation}}, warp_lanes).v[0];
+          if ((lane & 31) == 0) deviations[parity][lane / 32] = Sums<double, 1>{{deviation}};
+          __syncthreads();
+          const double correction = merge_warp_sums(deviations[parity], warps) * a.inv_cols;  // small: 1/cols rounded is enough
+          if (correction - correction == 0.0) mean_rest = correction;  // a non-finite row keeps its merged mean (inf, NaN)
+        }
+        st = finish_stats<kRms>(a, row, writer, row_shift, mean_rest, m2 * a.inv_cols);
       }
     }
     parity ^= 1;  // the next row's round writes the other half: no second barrier
@@ -446,13 +467,17 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
   LNX_DYNAMIC_SHARED(stage_bytes);
   A* stage = reinterpret_cast<A*>(stage_bytes);
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    Stat s = Stat{};
+    // float64 rows merge their packs pairwise (their statistics are kept to the ulp); the others' round to a
+    // narrower type, where the running merge's drift does not show and a pairwise one would cost registers.
+    PairwiseMerge<Stat, std::is_same_v<A, double> ? 4 : 0> merged;
     for (int64_t unit = threadIdx.x; unit < a.units; unit += blockDim.x) {
       A h[kVec];
       load_h<Tin, Th, A, kVec>(a, row * a.units + unit, h);
       if constexpr (kRms) {
+        Stat squares{};
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) s.v[0] += static_cast<W>(h[j]) * static_cast<W>(h[j]);
+        for (int j = 0; j < kVec; ++j) squares.v[0] += static_cast<W>(h[j]) * static_cast<W>(h[j]);
+        merged.add(squares);
       } else {
         W sum = W(0);
 #pragma unroll
@@ -461,14 +486,14 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
         W m2 = W(0);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) m2 += (static_cast<W>(h[j]) - mean) * (static_cast<W>(h[j]) - mean);
-        s = combine(s, Welford<W>{W(kVec), mean, m2});
+        merged.add(Welford<W>{W(kVec), mean, m2});
       }
       if (staged) {
 #pragma unroll
         for (int j = 0; j < kVec; ++j) stage[unit * kVec + j] = h[j];
       }
     }
-    s = row_allreduce(s, static_cast<int>(blockDim.x), scratch);  // also orders the staging writes
+    const Stat s = row_allreduce(merged.total(), static_cast<int>(blockDim.x), scratch);  // also orders the staging writes
     RowStats<A> st;
     if constexpr (kRms) {
       st = finish_stats<kRms>(a, row, threadIdx.x == 0, A(0), 0.0, s.v[0] * a.inv_cols);
