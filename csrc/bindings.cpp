@@ -59,7 +59,7 @@ TORCH_LIBRARY(layernorm_ext, m) {
   m.def(
       "add_rms_norm_(Tensor(a!) input, Tensor(b!) residual, SymInt[] normalized_shape, Tensor? weight=None, "
       "float? eps=None, float weight_offset=0., bool cast_before_weight=False) -> ()");
-  // Quantized output (csrc/quant_math.h has the arithmetic): the forward written as float8_e4m3fn or int8
+  // Quantized output (csrc/quant_math.h has the arithmetic): the forward written as float8_e4m3fn, float8_e5m2 or int8
   // codes (out), with a static scale (one float32) or, without one, a dynamic scale per row from the row's
   // absmax, capped by scale_ub, returned as scales (shaped as the rows, 1 for each normalized dim; [0] for a
   // static scale). residual_out is h with a residual ([0] without). No statistics, no autograd (inference ops).

@@ -45,7 +45,7 @@ void check_weight_offset(const char* op, const OptTensor& weight, double weight_
 void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest, ScalarType dtype);
 void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest, ScalarType dtype,
                        at::IntArrayRef shape);  // of this shape instead
-// The quantized-output ops: quant_dtype float8_e4m3fn or int8; scale (static) and scale_ub (a cap of the
+// The quantized-output ops: quant_dtype float8_e4m3fn, float8_e5m2 or int8; scale (static) and scale_ub (a cap of the
 // dynamic scale, so never with scale) float32 tensors of one element on input's device.
 // dtype_of_out: quant_dtype is an out= buffer's dtype (the *_quant_into ops), and the error says so.
 void check_quant_args(const char* op, const Tensor& input, ScalarType quant_dtype, const OptTensor& scale,
@@ -115,7 +115,7 @@ void add_layer_norm_inplace(const Tensor& input, const Tensor& residual, c10::Sy
 void add_rms_norm_inplace(const Tensor& input, const Tensor& residual, c10::SymIntArrayRef normalized_shape,
                           const OptTensor& weight, std::optional<double> eps, double weight_offset,
                           bool cast_before_weight, ForwardLauncher launch);
-// Quantized output (csrc/quant_math.h): the forward's out as float8_e4m3fn or int8 codes, with a static scale
+// Quantized output (csrc/quant_math.h): the forward's out as float8_e4m3fn, float8_e5m2 or int8 codes, with a static scale
 // or a dynamic one per row, computed in the same pass and returned ([0] for a static scale), and residual_out
 // with a residual ([0] without). No statistics are stored.
 std::tuple<Tensor, Tensor, Tensor> layer_norm_quant(const Tensor& input, c10::SymIntArrayRef normalized_shape,
@@ -130,7 +130,7 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_quant(const Tensor& input, c10::SymI
                                                   const OptTensor& scale_ub, const OptTensor& residual,
                                                   bool residual_in_fp32, double weight_offset,
                                                   bool cast_before_weight, ForwardLauncher launch);
-// The same into the caller's buffers: out (the codes: its dtype, float8_e4m3fn or int8, is the quantized dtype),
+// The same into the caller's buffers: out (the codes: its dtype, float8_e4m3fn, float8_e5m2 or int8, is the quantized dtype),
 // scales (dynamic scale only), residual_out (with a residual; it may be residual itself: h in place).
 void layer_norm_quant_into(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                           const OptTensor& bias, double eps, const Tensor& out, const OptTensor& scale,

@@ -173,11 +173,13 @@ void check_no_overlap(const char* op, const char* name, const Tensor& dest, cons
 
 void check_quant_args(const char* op, const Tensor& input, ScalarType quant_dtype, const OptTensor& scale,
                       const OptTensor& scale_ub, bool dtype_of_out) {
-  const bool supported = quant_dtype == ScalarType::Float8_e4m3fn || quant_dtype == ScalarType::Char;
+  const bool supported = quant_dtype == ScalarType::Float8_e4m3fn || quant_dtype == ScalarType::Float8_e5m2 ||
+                         quant_dtype == ScalarType::Char;
   TORCH_CHECK(supported || !dtype_of_out, op,
-              ": expected out to be a torch.float8_e4m3fn or torch.int8 tensor (the codes), but got out of dtype ",
-              quant_dtype);
-  TORCH_CHECK(supported, op, ": expected quant_dtype to be torch.float8_e4m3fn or torch.int8, but got ", quant_dtype);
+              ": expected out to be a torch.float8_e4m3fn, torch.float8_e5m2 or torch.int8 tensor (the codes), but "
+              "got out of dtype ", quant_dtype);
+  TORCH_CHECK(supported, op, ": expected quant_dtype to be torch.float8_e4m3fn, torch.float8_e5m2 or torch.int8, "
+              "but got ", quant_dtype);
   TORCH_CHECK(!(scale.has_value() && scale_ub.has_value()), op,
               ": scale_ub caps the dynamic per-row scale, so it cannot be given with a static scale");
   auto check_one_float = [&](const char* name, const Tensor& t) {

@@ -175,7 +175,7 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     if (r.mean.defined()) r.mean.zero_();
     if (r.rstd.defined()) r.rstd.fill_(std::numeric_limits<double>::quiet_NaN());
     if (dynamic_scale) {  // rows of no elements: absmax 0, hence the smallest scale (quant_math.h)
-      r.scales.fill_(quant::dynamic_scale(0.0f, nullptr, quant->dtype == ScalarType::Char));
+      r.scales.fill_(quant::dynamic_scale(0.0f, nullptr, quant_code(quant->dtype)));
     }
     return r;
   }

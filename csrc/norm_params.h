@@ -7,9 +7,17 @@
 
 #include <cstdint>
 
+#include "quant_math.h"
+
 namespace layernorm_ext {
 
 using c10::ScalarType;
+
+// The codes' format of a quantized output's dtype (norm_checks.cpp admits these three).
+inline quant::Code quant_code(ScalarType quant_type) {
+  if (quant_type == ScalarType::Char) return quant::Code::kInt8;
+  return quant_type == ScalarType::Float8_e5m2 ? quant::Code::kE5m2 : quant::Code::kE4m3fn;
+}
 
 // One forward call: rows x cols, row-major, every pointer contiguous. h = input (+ residual) is the row that
 // gets normalized; with a residual it is written to residual_out in h_type. mean is unused for RMSNorm.
@@ -39,7 +47,7 @@ struct NormForwardParams {
   double weight_offset = 0.0;
   bool cast_before_weight = false;
   // Quantized output (the *_norm_quant ops, csrc/quant_math.h): codes replaces out, one byte per element,
-  // float8_e4m3fn or int8 (quant_type). With scale (one float32 on the device) the scale is static; without
+  // float8_e4m3fn, float8_e5m2 or int8 (quant_type). With scale (one float32 on the device) the scale is static; without
   // it each row's scale is computed from its absmax (capped by scale_ub when given) and written to
   // row_scales (float32, one per row).
   void* codes = nullptr;  // nullptr: out is written instead

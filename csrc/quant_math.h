@@ -11,8 +11,10 @@
 //            int8 dynamic: y * (1 / scale)           (rms_norm_dynamic_per_token_quant)
 //   code   = float8_e4m3fn: v clamped to [-448, 448], rounded to nearest even (NaN stays NaN: vLLM's fmin / fmax
 //            clamp turns it into 448);
+//            float8_e5m2 (FlashInfer's norms take it): the same with [-57344, 57344], float8_e4m3fn's rules
+//            otherwise (how it scales, its min_scale in proportion);
 //            int8: v clamped to [-128, 127], rounded to nearest even, NaN gives 0 (as cvt.rni.sat.s8.f32).
-// min_scale (vLLM's): 1 / (448 * 512) for float8_e4m3fn, float32's epsilon for int8, so that a row of zeros
+// min_scale (vLLM's): 1 / (qmax * 512) for the float8 codes, float32's epsilon for int8, so that a row of zeros
 // gets a positive scale and codes 0.
 // Plain C++ (no torch header): the CPU instruction-set objects include it; every function has internal linkage.
 #pragma once
@@ -30,9 +32,20 @@ namespace layernorm_ext {
 namespace quant {
 
 constexpr float kFp8Max = 448.0f;
+constexpr float kE5m2Max = 57344.0f;
 constexpr float kInt8Max = 127.0f;
-constexpr float kFp8MinScale = 1.0f / (448.0f * 512.0f);
 constexpr float kInt8MinScale = 1.1920928955078125e-07f;  // float32's epsilon
+
+// The codes' format.
+enum class Code : uint8_t { kE4m3fn, kE5m2, kInt8 };
+
+LNX_QUANT_FN float code_max(Code code) {
+  return code == Code::kInt8 ? kInt8Max : (code == Code::kE5m2 ? kE5m2Max : kFp8Max);
+}
+
+LNX_QUANT_FN float min_scale(Code code) {
+  return code == Code::kInt8 ? kInt8MinScale : 1.0f / (code_max(code) * 512.0f);  // both exact powers of two
+}
 
 LNX_QUANT_FN uint32_t float_bits(float v) {
   uint32_t b;
@@ -65,6 +78,20 @@ LNX_QUANT_FN uint8_t to_e4m3fn(float v) {
   return static_cast<uint8_t>(sign | magnitude);
 }
 
+// float -> float8_e5m2 bits: saturate to +-57344, round to nearest even, NaN -> 0x7f (with the sign). As
+// to_e4m3fn with 2 mantissa bits and the exponent bias 15: normal from 2^-14, subnormals in units of 2^-16.
+LNX_QUANT_FN uint8_t to_e5m2(float v) {
+  v = v > kE5m2Max ? kE5m2Max : (v < -kE5m2Max ? -kE5m2Max : v);  // NaN passes
+  const uint32_t x = float_bits(v);
+  const uint32_t sign = (x >> 24) & 0x80u;
+  const uint32_t ax = x & 0x7fffffffu;
+  const uint32_t normal = ((ax + 0xfffffu + ((ax >> 21) & 1u)) >> 21) - (112u << 2);
+  const uint32_t subnormal = float_bits(bits_float(ax) * 65536.0f + 8388608.0f) - 0x4b000000u;
+  uint32_t magnitude = ax >= 0x38800000u ? normal : subnormal;
+  magnitude = ax > 0x7f800000u ? 0x7fu : magnitude;
+  return static_cast<uint8_t>(sign | magnitude);
+}
+
 // float -> int8: NaN -> 0, saturate to [-128, 127], round to nearest even (1.5 * 2^23 added: the add rounds).
 LNX_QUANT_FN int8_t to_int8(float v) {
   v = v != v ? 0.0f : v;
@@ -73,12 +100,16 @@ LNX_QUANT_FN int8_t to_int8(float v) {
   return static_cast<int8_t>(static_cast<int32_t>(rounded));
 }
 
+LNX_QUANT_FN uint8_t encode(Code code, float v) {
+  if (code == Code::kInt8) return static_cast<uint8_t>(to_int8(v));
+  return code == Code::kE5m2 ? to_e5m2(v) : to_e4m3fn(v);
+}
+
 // A row's dynamic scale from its absmax; ub: the cap (nullptr: none). NaN stays NaN.
-LNX_QUANT_FN float dynamic_scale(float absmax, const float* ub, bool int8) {
+LNX_QUANT_FN float dynamic_scale(float absmax, const float* ub, Code code) {
   if (ub != nullptr && absmax > *ub) absmax = *ub;
-  const float scale = absmax / (int8 ? kInt8Max : kFp8Max);
-  const float min_scale = int8 ? kInt8MinScale : kFp8MinScale;
-  return scale < min_scale ? min_scale : scale;
+  const float scale = absmax / code_max(code);
+  return scale < min_scale(code) ? min_scale(code) : scale;
 }
 
 // How a row's y is scaled before encoding (the table above): by factor, which is the scale where the path
@@ -89,8 +120,8 @@ struct Scaling {
   bool divide;
 };
 
-LNX_QUANT_FN Scaling scaling(float scale, bool is_static, bool int8) {
-  const bool divide = is_static == int8;
+LNX_QUANT_FN Scaling scaling(float scale, bool is_static, Code code) {
+  const bool divide = is_static == (code == Code::kInt8);
   return {divide ? scale : 1.0f / scale, divide};
 }
 

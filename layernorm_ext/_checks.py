@@ -22,6 +22,7 @@ _C10_NAMES = {
     torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
     torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
     torch.complex32: "ComplexHalf", torch.float8_e4m3fn: "Float8_e4m3fn", torch.float8_e5m2: "Float8_e5m2",
+    torch.float8_e4m3fnuz: "Float8_e4m3fnuz", torch.float8_e5m2fnuz: "Float8_e5m2fnuz",
 }  # fmt: skip
 
 
@@ -120,11 +121,12 @@ def check_quant(
     dtype_of_out: bool = False,
 ) -> None:
     """check_quant_args."""
-    if quant_dtype not in (torch.float8_e4m3fn, torch.int8):
+    if quant_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
         if dtype_of_out:
-            _fail(op, "expected out to be a torch.float8_e4m3fn or torch.int8 tensor (the codes), but got out of "
-                      f"dtype {_name(quant_dtype)}")
-        _fail(op, f"expected quant_dtype to be torch.float8_e4m3fn or torch.int8, but got {_name(quant_dtype)}")
+            _fail(op, "expected out to be a torch.float8_e4m3fn, torch.float8_e5m2 or torch.int8 tensor (the codes), "
+                      f"but got out of dtype {_name(quant_dtype)}")
+        _fail(op, "expected quant_dtype to be torch.float8_e4m3fn, torch.float8_e5m2 or torch.int8, but got "
+                  f"{_name(quant_dtype)}")
     if scale is not None and scale_ub is not None:
         _fail(op, "scale_ub caps the dynamic per-row scale, so it cannot be given with a static scale")
     for name, t in (("scale", scale), ("scale_ub", scale_ub)):

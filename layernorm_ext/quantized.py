@@ -1,4 +1,4 @@
-"""Quantized output: LayerNorm / RMSNorm (and their fused residual variants) written as float8_e4m3fn or int8.
+"""Quantized output: LayerNorm / RMSNorm (and their fused residual variants) written as float8_e4m3fn, float8_e5m2 or int8.
 
 The engines' ``rms_norm_static_fp8_quant`` / ``fused_add_rms_norm_static_fp8_quant`` (a static scale) and
 ``rms_norm_dynamic_per_token_quant`` (a scale per row, from the row's absmax, computed in the same pass), for
@@ -8,8 +8,9 @@ is vLLM's, bit for bit, given the norm's output:
 
 - ``y`` is what the unquantized function returns (rounded to the input dtype), taken as float32;
 - dynamic: ``absmax = max |y|`` over the row (NaN if the row holds a NaN), capped at ``scale_ub`` when given,
-  ``scale = max(absmax / qmax, min_scale)``; qmax is 448 (float8_e4m3fn) or 127 (int8), min_scale
-  1 / (448 * 512) or float32's epsilon, so that a row of zeros gets codes 0 and a positive scale;
+  ``scale = max(absmax / qmax, min_scale)``; qmax is 448 (float8_e4m3fn), 57344 (float8_e5m2) or 127 (int8),
+  min_scale 1 / (qmax * 512) for the float8 codes or float32's epsilon, so that a row of zeros gets codes 0 and a
+  positive scale;
 - the scaled value is ``y * (1 / scale)`` (the reciprocal rounded once) for static float8_e4m3fn and dynamic
   int8, ``y / scale`` for dynamic float8_e4m3fn and static int8: as vLLM's kernels do (its dynamic fp8 path
   divides "for exact match with FBGemm", its static int8 quantization divides too); the two differ by one
@@ -54,7 +55,7 @@ from .functional import ShapeLike, _as_shape
 _ops = torch.ops.layernorm_ext
 
 _ARGS_DOC = """
-    ``quant_dtype``: torch.float8_e4m3fn or torch.int8; by default out's dtype with ``out=``, else
+    ``quant_dtype``: torch.float8_e4m3fn, torch.float8_e5m2 or torch.int8; by default out's dtype with ``out=``, else
     torch.float8_e4m3fn. ``scale``: a float32 tensor of one element
     on the input's device, the static scale; without it each row gets its own scale, capped by ``scale_ub`` (a
     float32 tensor of one element) when given. ``weight_offset`` / ``cast_before_weight`` as in

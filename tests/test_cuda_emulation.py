@@ -327,7 +327,7 @@ def test_emulated_inference_ops(emulated: ModuleType, rms: bool, dtype: torch.dt
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
 def test_emulated_quantized_output(emulated: ModuleType, rms: bool, dtype: torch.dtype, n: int) -> None:
-    """float8_e4m3fn / int8 codes, static and dynamic (capped) scales, on every thread mapping (the dynamic scale's
+    """float8_e4m3fn / float8_e5m2 / int8 codes, static and dynamic (capped) scales, on every thread mapping (the dynamic scale's
     absmax all-reduced over sub-warps, warps and blocks; the long paths' extra pass from the stage or memory):
     the composite of the emulated forward's own output, bit for bit (tests/test_quantized.py's reference)."""
     from test_quantized import _same_bits, reference_quant
@@ -344,7 +344,8 @@ def test_emulated_quantized_output(emulated: ModuleType, rms: bool, dtype: torch
     else:
         y, h, _, _ = emulated.layer_norm_fwd(x, [n], w, b, 1e-5, r, False)
     absmax = y[1:].float().abs().max().item()
-    for quant_dtype, qmax in ((torch.float8_e4m3fn, 448.0), (torch.int8, 127.0)):
+    qmaxes = ((torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0), (torch.int8, 127.0))
+    for quant_dtype, qmax in qmaxes:
         for scale, scale_ub in ((None, None), (None, torch.tensor([absmax * 0.7])),
                                 (torch.tensor([absmax / qmax * 0.8]), None)):  # fmt: skip
             if rms:

@@ -30,15 +30,18 @@ from test_inference_ops import _functional as _unquantized
 pytestmark = pytest.mark.usefixtures("cpu_isa")
 
 F32, F64, F16, BF16 = torch.float32, torch.float64, torch.float16, torch.bfloat16
-FP8, I8 = torch.float8_e4m3fn, torch.int8
+FP8, E5M2, I8 = torch.float8_e4m3fn, torch.float8_e5m2, torch.int8
+FLOAT8 = (FP8, E5M2)
+QUANT_DTYPES = (FP8, E5M2, I8)
+QUANT_IDS = ["fp8", "e5m2", "i8"]
 _ops = torch.ops.layernorm_ext
-_SHORT = {F32: "f32", F64: "f64", F16: "f16", BF16: "bf16", FP8: "fp8", I8: "i8"}
+_SHORT = {F32: "f32", F64: "f64", F16: "f16", BF16: "bf16", FP8: "fp8", E5M2: "e5m2", I8: "i8"}
 FNS = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")
 DTYPES = ((F32, F32), (F64, F64), (F16, F16), (BF16, BF16), (BF16, F32))
 COLS = (1, 7, 769, 5125)
 MODES = ("static", "dynamic", "dynamic_ub")
-QMAX = {FP8: 448.0, I8: 127.0}
-MIN_SCALE = {FP8: 1.0 / (448.0 * 512.0), I8: float(torch.finfo(torch.float32).eps)}
+QMAX = {FP8: 448.0, E5M2: 57344.0, I8: 127.0}
+MIN_SCALE = {FP8: 1.0 / (448.0 * 512.0), E5M2: 1.0 / (57344.0 * 512.0), I8: float(torch.finfo(torch.float32).eps)}
 
 
 # ---- the composite reference -----------------------------------------------------------------------------------
@@ -68,9 +71,9 @@ def reference_quant(
 
 
 def encode(v: Tensor, quant_dtype: torch.dtype) -> Tensor:
-    """float32 values as codes: float8_e4m3fn saturating (NaN stays NaN), int8 rounded half to even (NaN: 0)."""
-    if quant_dtype == FP8:
-        return v.clamp(-448.0, 448.0).to(FP8)
+    """float32 values as codes: float8 saturating (NaN stays NaN), int8 rounded half to even (NaN: 0)."""
+    if quant_dtype in FLOAT8:
+        return v.clamp(-QMAX[quant_dtype], QMAX[quant_dtype]).to(quant_dtype)
     return torch.where(v.isnan(), 0.0, v).clamp(-128.0, 127.0).round().to(I8)
 
 
@@ -80,6 +83,8 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def _is_nan(t: Tensor) -> Tensor:
     if t.dtype == FP8:
         return (t.view(torch.uint8) & 0x7F) == 0x7F
+    if t.dtype == E5M2:
+        return (t.view(torch.uint8) & 0x7F) > 0x7C
     return t.isnan() if t.is_floating_point() else torch.zeros_like(t, dtype=torch.bool)
 
 
@@ -119,7 +124,7 @@ def _scales(mode: str, quant_dtype: torch.dtype, y: Tensor) -> tuple[Tensor | No
 def _cases() -> list:
     return [
         pytest.param(fn, dtype, wdtype, cols, q, id=f"{fn}-{_SHORT[dtype]}w{_SHORT[wdtype]}-n{cols}-{_SHORT[q]}")
-        for fn in FNS for dtype, wdtype in DTYPES for cols in COLS for q in (FP8, I8)
+        for fn in FNS for dtype, wdtype in DTYPES for cols in COLS for q in QUANT_DTYPES
     ]  # fmt: skip
 
 
@@ -144,7 +149,7 @@ def test_codes_are_the_composite_of_our_output(
         _same_bits(got_h, h, "residual_out")
 
 
-@pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES, ids=QUANT_IDS)
 @pytest.mark.parametrize(("fn", "kw"), [
     ("rms_norm", {"weight_offset": 1.0}),
     ("rms_norm", {"cast_before_weight": True}),
@@ -176,6 +181,8 @@ def _code_steps(got: Tensor, want: Tensor) -> Tensor:
     return (line(got) - line(want)).abs()
 
 
+# Not float8_e5m2: its subnormal codes near 0 are finer than the norms' rounding differences (an ulp of y's scale
+# is several e5m2 steps there); its codes are checked bit for bit against our own output above.
 @pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
 @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize(("rms", "shape", "norm_dims"), [
@@ -222,22 +229,30 @@ def _encode_through_the_op(values: Tensor, quant_dtype: torch.dtype) -> Tensor:
     return _through_the_op(values, quant_dtype, torch.ones(1))[0]
 
 
-def _fp8_probe_values() -> Tensor:
-    finite = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+def _float8_probe_values(quant_dtype: torch.dtype) -> Tensor:
+    """Every code's value, the midpoints between them (ties: round to even) and their float32 neighbours, and the
+    edges: the smallest normal and subnormal, their halves, qmax and beyond."""
+    finite = torch.arange(256, dtype=torch.uint8).view(quant_dtype).float()
     finite = finite[finite.isfinite()]
     mags = finite[finite >= 0].unique().sort().values
-    mids = (mags[1:] + mags[:-1]) / 2  # ties: round to even
+    mids = (mags[1:] + mags[:-1]) / 2
     near = torch.cat([mids, mids.nextafter(torch.tensor(math.inf)), mids.nextafter(torch.tensor(-math.inf))])
-    special = torch.tensor([0.0, 2.0**-6, 2.0**-9, 2.0**-10, 2.0**-10 * 1.0001, 2.0**-11, 1e-30, 1e-45, 447.9, 448.0,
-                            448.1, 463.9, 464.0, 464.1, 479.0, 480.0, 500.0, 1e6, 3e38, math.inf])
+    tiny = torch.finfo(quant_dtype).smallest_normal
+    subnormal = float(mags[1])
+    qmax = QMAX[quant_dtype]
+    step = qmax - float(mags[-2])  # the top binade's step
+    special = torch.tensor([0.0, tiny, subnormal, subnormal / 2, subnormal / 2 * 1.0001, subnormal / 4, 1e-30, 1e-45,
+                            qmax * 0.9999, qmax, qmax * 1.0001, qmax + step / 2 - 0.1, qmax + step / 2,
+                            qmax + step / 2 + 0.1, qmax + step, qmax * 1.2, 1e6, 3e38, math.inf])
     positive = torch.cat([mags, near, special])
     return torch.cat([positive, -positive, torch.tensor([math.nan, -math.nan])])
 
 
-def test_fp8_encoder_is_torchs_cast_after_clamping() -> None:
-    values = _fp8_probe_values()
-    got = _encode_through_the_op(values, FP8)
-    want = values.clamp(-448.0, 448.0).to(FP8)
+@pytest.mark.parametrize("quant_dtype", FLOAT8, ids=QUANT_IDS[:2])
+def test_float8_encoder_is_torchs_cast_after_clamping(quant_dtype: torch.dtype) -> None:
+    values = _float8_probe_values(quant_dtype)
+    got = _encode_through_the_op(values, quant_dtype)
+    want = values.clamp(-QMAX[quant_dtype], QMAX[quant_dtype]).to(quant_dtype)
     bad = (got.view(torch.uint8) != want.view(torch.uint8)).nonzero().flatten()
     assert bad.numel() == 0, [(values[i].item(), got[i].view(torch.uint8).item(), want[i].view(torch.uint8).item())
                               for i in bad[:8]]
@@ -257,8 +272,8 @@ def test_int8_encoder_rounds_half_to_even_and_saturates() -> None:
 # ---- vLLM's division or multiplication, at the codes' rounding ties -------------------------------------------
 def _code_midpoints(quant_dtype: torch.dtype) -> Tensor:
     """The values halfway between adjacent codes below qmax, both signs (where the codes round to even)."""
-    if quant_dtype == FP8:
-        mags = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    if quant_dtype in FLOAT8:
+        mags = torch.arange(256, dtype=torch.uint8).view(quant_dtype).float()
         mags = mags[mags.isfinite() & (mags >= 0)].unique().sort().values
         mids = (mags[1:] + mags[:-1]) / 2
     else:
@@ -267,7 +282,7 @@ def _code_midpoints(quant_dtype: torch.dtype) -> Tensor:
 
 
 @pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
-@pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES, ids=QUANT_IDS)
 def test_ties_are_scaled_as_vllm_scales(quant_dtype: torch.dtype, static: bool) -> None:
     """y at the codes' rounding ties (each midpoint times the scale, rounded to float32, and its two float32
     neighbours), for a few scales: static, or dynamic (the row's absmax, qmax times the scale, set so): the
@@ -297,7 +312,7 @@ def test_ties_are_scaled_as_vllm_scales(quant_dtype: torch.dtype, static: bool) 
 
 
 @pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
-@pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES, ids=QUANT_IDS)
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 def test_serving_activation_is_vllms(dtype: torch.dtype, quant_dtype: torch.dtype, static: bool) -> None:
     """A 64 x 4096 activation (262144 codes) through add_rms_norm_quant in vLLM's order of the norm (x * rstd
@@ -318,7 +333,7 @@ def test_serving_activation_is_vllms(dtype: torch.dtype, quant_dtype: torch.dtyp
 
 
 # ---- special rows ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES, ids=QUANT_IDS)
 def test_special_rows(quant_dtype: torch.dtype) -> None:
     """Rows of zeros (codes 0, the smallest scale), a NaN (NaN codes and scale, int8 codes 0), an infinity in the
     input (RMSNorm: NaN there, zeros elsewhere; the row's absmax is NaN), a huge weight (saturation), and the
@@ -337,16 +352,16 @@ def test_special_rows(quant_dtype: torch.dtype) -> None:
     assert scale[0].item() == pytest.approx(MIN_SCALE[quant_dtype], rel=1e-7)
     assert (codes[0].float() == 0).all()
     assert math.isnan(scale[1].item()) and math.isnan(scale[2].item())
-    if quant_dtype == FP8:
+    if quant_dtype in FLOAT8:
         assert codes[1].float().isnan().all()
     else:
         assert (codes[1] == 0).all()
 
     # Static scale far too small: every code saturates, with the value's sign.
-    codes, _ = L.rms_norm_quant(x[3:], n, w, quant_dtype=quant_dtype, scale=torch.tensor([1e-6]))
+    codes, _ = L.rms_norm_quant(x[3:], n, w, quant_dtype=quant_dtype, scale=torch.tensor([1e-9]))
     big = x[3:].abs() > 1e-3
-    top = 448.0 if quant_dtype == FP8 else 127.0
-    bottom = -448.0 if quant_dtype == FP8 else -128.0
+    top = QMAX[quant_dtype]
+    bottom = -128.0 if quant_dtype == I8 else -top
     assert (codes.float()[big & (x[3:] > 0)] == top).all() and (codes.float()[big & (x[3:] < 0)] == bottom).all()
 
     # scale_ub below the absmax: scale = ub / qmax, and the largest values saturate.
@@ -356,7 +371,7 @@ def test_special_rows(quant_dtype: torch.dtype) -> None:
     _same_bits(codes, reference_quant(y[3:], 1, quant_dtype, None, ub)[0], "capped codes")
 
 
-@pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES, ids=QUANT_IDS)
 @pytest.mark.parametrize("shape", [(0, 16), (4, 0), (2, 0, 3)], ids=["no-rows", "empty-rows", "empty-2d"])
 def test_empty_shapes(shape: tuple[int, ...], quant_dtype: torch.dtype) -> None:
     x = torch.randn(shape)
@@ -373,9 +388,10 @@ def _bad_calls() -> list:
     x, w = torch.randn(3, 8), torch.randn(8)
     return [
         pytest.param(lambda: L.rms_norm_quant(x, 8, w, quant_dtype=torch.float16),
-                     "expected quant_dtype to be torch.float8_e4m3fn or torch.int8, but got Half", id="dtype"),
-        pytest.param(lambda: L.rms_norm_quant(x, 8, w, quant_dtype=torch.float8_e5m2),
-                     "but got Float8_e5m2", id="e5m2"),
+                     "expected quant_dtype to be torch.float8_e4m3fn, torch.float8_e5m2 or torch.int8, but got Half",
+                     id="dtype"),
+        pytest.param(lambda: L.rms_norm_quant(x, 8, w, quant_dtype=torch.float8_e4m3fnuz),
+                     "but got Float8_e4m3fnuz", id="e4m3fnuz"),
         pytest.param(lambda: L.rms_norm_quant(x, 8, w, scale=torch.ones(2)),
                      "expected scale to be a float32 tensor of one element, but got scale of dtype Float and shape "
                      r"\[2\]", id="scale-shape"),
@@ -417,6 +433,7 @@ def test_opcheck(case: str) -> None:
         "ln-static": (_ops.layer_norm_quant, (x, [40], w, b, 1e-5, FP8, torch.tensor([0.02]))),
         "ln-dynamic-residual": (_ops.layer_norm_quant, (x, [40], w, b, 1e-5, FP8, None, None, r, True, 0.5, True)),
         "rms-dynamic-ub": (_ops.rms_norm_quant, (x, [40], w, None, FP8, None, torch.tensor([2.0]))),
+        "rms-e5m2-static": (_ops.rms_norm_quant, (x, [40], w, None, E5M2, torch.tensor([0.02]))),
         "rms-int8-residual": (_ops.rms_norm_quant, (x, [40], w, 1e-6, I8, None, None, r, False, 1.0, False)),
     }[case]
     torch.library.opcheck(op.default, args)
@@ -448,7 +465,7 @@ def test_fp8_decode_step_compiles_fullgraph(backend: str) -> None:
 
 # ---- into the caller's buffers (out=, scales=, residual_out=) -------------------------------------------------
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES, ids=QUANT_IDS)
 @pytest.mark.parametrize("cols", [7, 769])
 @pytest.mark.parametrize("fn", FNS)
 def test_into_buffers_equal_the_allocating_op(fn: str, cols: int, quant_dtype: torch.dtype, mode: str) -> None:
@@ -475,7 +492,7 @@ def test_into_buffers_equal_the_allocating_op(fn: str, cols: int, quant_dtype: t
         _same_bits(got[2], want[2], "residual_out")
 
 
-@pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES, ids=QUANT_IDS)
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 def test_residual_updated_in_place(rms: bool, quant_dtype: torch.dtype) -> None:
     """vLLM's fused_add_rms_norm_static_fp8_quant: residual_out=residual writes h over the residual."""
@@ -512,8 +529,8 @@ def _bad_into_calls() -> list:
     codes = torch.empty(3, 8, dtype=FP8)
     return [
         pytest.param(lambda: L.rms_norm_quant(x, 8, w, out=torch.empty(3, 8), scales=torch.empty(3, 1)),
-                     "rms_norm_quant_into: expected out to be a torch.float8_e4m3fn or torch.int8 tensor \\(the codes\\), "
-                     "but got out of dtype Float", id="out-dtype"),
+                     "rms_norm_quant_into: expected out to be a torch.float8_e4m3fn, torch.float8_e5m2 or torch.int8 "
+                     "tensor \\(the codes\\), but got out of dtype Float", id="out-dtype"),
         pytest.param(lambda: L.rms_norm_quant(x, 8, w, out=torch.empty(3, 9, dtype=I8), scales=torch.empty(3, 1)),
                      r"expected out of shape \[3, 8\] and dtype Char, but got out of shape \[3, 9\]", id="out-shape"),
         pytest.param(lambda: L.rms_norm_quant(x, 8, w, out=codes),
@@ -537,7 +554,7 @@ def _bad_into_calls() -> list:
     ]
 
 
-@pytest.mark.parametrize("quant_dtype", [FP8, I8], ids=["fp8", "i8"])
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES, ids=QUANT_IDS)
 def test_quant_dtype_with_out_is_outs(quant_dtype: torch.dtype) -> None:
     """With out=, quant_dtype may be left out (out's dtype decides) or given the same; a contradicting one is
     refused (_bad_into_calls)."""
@@ -572,7 +589,7 @@ def test_overlapping_buffers_are_refused() -> None:
         L.rms_norm_quant(x, 8, w, out=codes, scales=x.view(-1)[:3].view(3, 1))
 
 
-@pytest.mark.parametrize("quant_dtype", [I8, FP8], ids=["i8", "fp8"])
+@pytest.mark.parametrize("quant_dtype", [I8, FP8, E5M2], ids=["i8", "fp8", "e5m2"])
 @pytest.mark.parametrize("case", ["rms-static-in-place", "ln-dynamic"])
 def test_opcheck_into(case: str, quant_dtype: torch.dtype) -> None:
     """Every opcheck test with int8 codes; with float8 codes all but test_schema, whose comparison of the mutated

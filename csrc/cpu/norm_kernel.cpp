@@ -338,7 +338,7 @@ void forward_with(const NormForwardParams& p, const RowKernels& k) {
   a.cast_before_weight = p.cast_before_weight;
   a.rms = p.rms;
   a.codes = p.codes;
-  a.quant_int8 = p.quant_type == ScalarType::Char;
+  a.quant_code = quant_code(p.quant_type);
   a.scale = p.scale;
   a.scale_ub = p.scale_ub;
   a.row_scales = p.row_scales;

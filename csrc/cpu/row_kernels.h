@@ -35,10 +35,10 @@ struct ForwardRows {
   bool rms;
   bool cast_before_weight;
   // Quantized output (quant_math.h): each row is normalized into row_buffer (cols values of out's dtype, the
-  // calling thread's own) and then written to codes as int8 (quant_int8) or float8_e4m3fn, scaled by the
+  // calling thread's own) and then written to codes as int8, float8_e4m3fn or float8_e5m2 (quant_code), scaled by the
   // static scale or, when scale is nullptr, by the row's dynamic scale, stored to row_scales.
   void* codes;  // nullptr: out is written
-  bool quant_int8;
+  quant::Code quant_code;
   const float* scale;
   const float* scale_ub;  // nullptr: no cap
   float* row_scales;

@@ -111,6 +111,21 @@ inline CodeVec encode_e4m3fn(FloatVec v) {
   return __builtin_convertvector(sign | magnitude, CodeVec);
 }
 
+// quant::to_e5m2 on every lane.
+inline CodeVec encode_e5m2(FloatVec v) {
+  const FloatVec top = broadcast<float>(quant::kE5m2Max), bottom = broadcast<float>(-quant::kE5m2Max);
+  v = v > top ? top : v;  // NaN lanes compare false both times and pass
+  v = v < bottom ? bottom : v;
+  const BitsVec x = bits_of(v);
+  const BitsVec sign = (x >> 24) & 0x80u;
+  const BitsVec ax = x & 0x7fffffffu;
+  const BitsVec normal = ((ax + 0xfffffu + ((ax >> 21) & 1u)) >> 21) - (112u << 2);
+  const BitsVec subnormal = bits_of(floats_of(ax) * 65536.0f + 8388608.0f) - 0x4b000000u;
+  BitsVec magnitude = ax >= 0x38800000u ? normal : subnormal;
+  magnitude = ax > 0x7f800000u ? BitsVec{} + 0x7fu : magnitude;
+  return __builtin_convertvector(sign | magnitude, CodeVec);
+}
+
 // quant::to_int8 on every lane (as bytes).
 inline CodeVec encode_int8(FloatVec v) {
   v = v != v ? FloatVec{} : v;
@@ -150,10 +165,10 @@ inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64
     std::memcpy(lanes, &absmax, sizeof(lanes));
     float m = 0.0f;
     for (int64_t i = 0; i < L; ++i) m = quant::nan_max(m, lanes[i]);
-    scale = quant::dynamic_scale(m, a.scale_ub, a.quant_int8);
+    scale = quant::dynamic_scale(m, a.scale_ub, a.quant_code);
     a.row_scales[row] = scale;
   }
-  const quant::Scaling scaling = quant::scaling(scale, a.scale != nullptr, a.quant_int8);
+  const quant::Scaling scaling = quant::scaling(scale, a.scale != nullptr, a.quant_code);
   uint8_t* codes = static_cast<uint8_t*>(a.codes) + row * n;
   const FloatVec factor = broadcast<float>(scaling.factor);
   auto encode_all = [&](auto divide_tag) {  // quant::scaled on every lane, the branch out of the loop
@@ -175,8 +190,11 @@ inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64
 
 template <class Y>
 inline void quantize_row(const ForwardRows& a, int64_t row, const Y* y, int64_t n) {
-  if (a.quant_int8) return quantize_row_as<Y, &encode_int8>(a, row, y, n);
-  quantize_row_as<Y, &encode_e4m3fn>(a, row, y, n);
+  switch (a.quant_code) {
+    case quant::Code::kInt8: return quantize_row_as<Y, &encode_int8>(a, row, y, n);
+    case quant::Code::kE5m2: return quantize_row_as<Y, &encode_e5m2>(a, row, y, n);
+    default: return quantize_row_as<Y, &encode_e4m3fn>(a, row, y, n);
+  }
 }
 
 template <class S, class Y>

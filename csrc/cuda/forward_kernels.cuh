@@ -35,7 +35,7 @@ struct ForwardArgs {
   int rows_per_block;
 };
 
-// Quantized output (quant_math.h): codes (int8 or float8_e4m3fn bytes) instead of out, scaled by the static
+// Quantized output (quant_math.h): codes (int8, float8_e4m3fn or float8_e5m2 bytes) instead of out, scaled by the static
 // scale or, where scale is nullptr, by the row's dynamic scale (stored to row_scales). Only the quantized
 // kernel variants take it, as a parameter of their own: a larger ForwardArgs changes how ptxas allocates the
 // plain kernels' registers.
@@ -44,7 +44,7 @@ struct QuantArgs {
   const float* scale;
   const float* scale_ub;  // nullptr: no cap
   float* row_scales;
-  bool int8;
+  quant::Code code;
 };
 
 // The kernels' optional QuantArgs parameter (a pack of none or one), unpacked where there is one.
@@ -152,7 +152,7 @@ __device__ __forceinline__ void quantize_store(const ForwardArgs<A>& a, const Qu
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
     const float v = quant::scaled(f[j], scaling);
-    codes.v[j] = q.int8 ? static_cast<uint8_t>(quant::to_int8(v)) : quant::to_e4m3fn(v);
+    codes.v[j] = quant::encode(q.code, v);
   }
   reinterpret_cast<Pack<uint8_t, kVec>*>(q.codes)[row * a.units + col_unit] = codes;
 }
@@ -162,11 +162,11 @@ __device__ __forceinline__ void quantize_store(const ForwardArgs<A>& a, const Qu
 // thread of the block must call it (the all-reduce).
 __device__ __forceinline__ quant::Scaling row_scaling(const QuantArgs& q, int64_t row, bool writer, float absmax, int lanes,
                                                AbsMax* scratch) {
-  if (q.scale != nullptr) return quant::scaling(*q.scale, /*is_static=*/true, q.int8);
+  if (q.scale != nullptr) return quant::scaling(*q.scale, /*is_static=*/true, q.code);
   absmax = row_allreduce(AbsMax{absmax}, lanes, scratch).v;
-  const float scale = quant::dynamic_scale(absmax, q.scale_ub, q.int8);
+  const float scale = quant::dynamic_scale(absmax, q.scale_ub, q.code);
   if (writer) q.row_scales[row] = scale;
-  return quant::scaling(scale, /*is_static=*/false, q.int8);
+  return quant::scaling(scale, /*is_static=*/false, q.code);
 }
 
 // The row's statistics from its mean, given as shift + mean_rest (shift of the compute type, the rest in
