@@ -193,6 +193,10 @@ constexpr const char* kSecondCopy =
     "(LAYERNORM_EXT_JIT=1 before the first import selects a JIT build) instead of loading the sources again.";
 
 void define_schemas_once() {
+  // Per copy of the library: the same file initialized again (a second cpp_extension.load of the same build)
+  // shares this copy's registration.
+  static bool defined_by_this_copy = false;
+  if (defined_by_this_copy) return;
   if (c10::Dispatcher::singleton().findSchema({"layernorm_ext::layer_norm_fwd", ""}).has_value()) {
     throw pybind11::import_error(kSecondCopy);
   }
@@ -203,6 +207,7 @@ void define_schemas_once() {
   } catch (const c10::Error& err) {
     throw pybind11::import_error(std::string(kSecondCopy) + " (" + err.what_without_backtrace() + ")");
   }
+  defined_by_this_copy = true;
 }
 
 }  // namespace

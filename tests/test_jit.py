@@ -305,17 +305,25 @@ def test_readme_jit_example_with_prebuilt_raises(tmp_path: Path) -> None:
 
 
 def test_second_copy_of_prebuilt_refused(tmp_path: Path) -> None:
-    """A copy of the prebuilt library at another path loaded after ``import layernorm_ext`` (what any second
-    build of the sources does, without compiling one): its module init raises ImportError; before, its static
-    TORCH_LIBRARY registration aborted the process."""
+    """After ``import layernorm_ext``: the prebuilt library's own file initialized again (as a second
+    cpp_extension.load of one build does) shares its registration; a copy of it at another path (what any second
+    build of the sources is, without compiling one) fails its module init with ImportError. Before, that copy's
+    static TORCH_LIBRARY registration aborted the process."""
     copy = tmp_path / "copy" / Path(native.__file__).name
     copy.parent.mkdir()
     shutil.copy2(native.__file__, copy)
     code = (
         "import importlib.util, torch, layernorm_ext\n"
-        f"spec = importlib.util.spec_from_file_location('_C', {str(copy)!r})\n"
+        # Distinct module names (any ending in _C, the init function's name): Python hands back a module it
+        # initialized under the same name without initializing the new file.
+        "def initialize(path, name):\n"
+        "    spec = importlib.util.spec_from_file_location(name, path)\n"
+        "    module = importlib.util.module_from_spec(spec)\n"
+        "    spec.loader.exec_module(module)\n"
+        "    return module\n"
+        f"assert initialize({native.__file__!r}, 'again._C').build_info() == layernorm_ext._C.build_info()\n"
         "try:\n"
-        "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+        f"    initialize({str(copy)!r}, 'copy._C')\n"
         "except ImportError as err:\n"
         "    print('ImportError:', err)\n"
         "x = torch.randn(7, 5125)\n"
