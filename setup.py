@@ -9,15 +9,22 @@ Environment:
   CUDA_HOME               the CUDA toolkit (found from nvcc / /usr/local/cuda* when unset).
   TORCH_CUDA_ARCH_LIST    GPU architectures; default: the visible GPUs', or "8.0;9.0;10.0;12.0+PTX" when none is visible.
   LAYERNORM_EXT_VERBOSE=1 pass -Xptxas -v to nvcc (registers and spills of every kernel).
+  LAYERNORM_EXT_DEBUG=1   keep the debug info (the default is a release build: -g0).
   MAX_JOBS                parallel compile jobs (ninja).
 Requires torch at build time: install it first and build with ``pip install --no-build-isolation .``.
+
+A build with the library gets a version with a local tag naming the torch it was built against
+(``0.1.0+torch2.13.0cpu``, ``0.1.0+torch2.14.1cu130``) and requires exactly that torch release; a build from
+an sdist keeps the sdist's version (pip checks that they agree) but still requires that torch.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
+import sysconfig
 from pathlib import Path
 
 from setuptools import setup
@@ -44,9 +51,50 @@ def _want_cuda(torch, sources_module, cuda_home: str | None) -> bool:
     return torch.version.cuda is not None and cuda_home is not None
 
 
+def _base_version() -> str:
+    """The package's version, from layernorm_ext/__init__.py (the one place it is written)."""
+    text = (ROOT / "layernorm_ext" / "__init__.py").read_text()
+    return re.search(r'^__version__ = "([^"]+)"', text, re.MULTILINE).group(1)
+
+
+def _release(torch_version: str) -> str:
+    """'2.13.0+cpu' -> '2.13.0': what the loader compares (layernorm_ext/_loader.py)."""
+    return torch_version.split("+")[0]
+
+
+def _version_and_requirements(torch, with_cuda: bool) -> tuple[str, list[str]]:
+    """A library build is tied to one torch release (the loader refuses another): its version's local tag names
+    that torch and the CUDA of the kernels in it, and it requires that release. The requirement leaves out torch's
+    own local tag, so the CPU wheel installs beside either build of that torch (its CPU library runs on both).
+    An sdist, and a wheel built from one (PKG-INFO in the tree), keep the plain version: pip refuses a wheel
+    whose version differs from its sdist's."""
+    base, release = _base_version(), _release(torch.__version__)
+    building_sdist = "sdist" in sys.argv or (ROOT / "PKG-INFO").is_file()
+    if building_sdist:
+        return base, ["torch>=2.5"] if "sdist" in sys.argv else [f"torch=={release}"]
+    accelerator = "cu" + torch.version.cuda.replace(".", "") if with_cuda else "cpu"
+    return f"{base}+torch{release}{accelerator}", [f"torch=={release}"]
+
+
+def _build_ext_class(build_extension: type) -> type:
+    class BuildExtensionKeepingObjects(build_extension):
+        """An editable install compiles in a temporary folder; here it keeps its objects in build/, where the
+        wheel build (README's `pip wheel ...`, CI right after the quick start's editable install) finds them up
+        to date and only links, instead of compiling everything again (about 9 minutes on 2 cores)."""
+
+        def finalize_options(self) -> None:
+            super().finalize_options()
+            if getattr(self, "editable_mode", False):
+                platform_tag = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+                self.build_temp = str(ROOT / "build" / f"temp.{platform_tag}")
+
+    return BuildExtensionKeepingObjects
+
+
 def _extensions():
+    """(ext_modules, cmdclass, version, install_requires)."""
     if os.environ.get("LAYERNORM_EXT_BUILD", "1") == "0":
-        return [], {}
+        return [], {}, _base_version(), ["torch>=2.5"]
     sources_module = _load_sources_module()
     # Before torch.utils.cpp_extension is imported: it reads CUDA_HOME once, at import.
     cuda_home = sources_module.configure_cuda_home()
@@ -58,11 +106,12 @@ def _extensions():
             "layernorm_ext: building the native library needs torch installed first. Install torch, then run "
             "`pip install --no-build-isolation .` (or set LAYERNORM_EXT_BUILD=0 to JIT-build on first import)."
         )
-    cxx_flags = list(sources_module.CXX_FLAGS)
+    cxx_flags = sources_module.cxx_flags()
+    cmdclass = {"build_ext": _build_ext_class(BuildExtension)}
     if not _want_cuda(torch, sources_module, cuda_home):
         sources = [f"csrc/{name}" for name in sources_module.CPU_SOURCES]
         extension = CppExtension(name="layernorm_ext._C", sources=sources, extra_compile_args={"cxx": cxx_flags})
-        return [extension], {"build_ext": BuildExtension}
+        return [extension], cmdclass, *_version_and_requirements(torch, with_cuda=False)
 
     arch_list = sources_module.configure_arch_list(gpu_visible=torch.cuda.is_available())
     nvcc_flags = list(sources_module.NVCC_FLAGS)
@@ -79,12 +128,14 @@ def _extensions():
         define_macros=[(sources_module.WITH_CUDA_DEFINE, None)],
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
     )
-    return [extension], {"build_ext": BuildExtension}
+    return [extension], cmdclass, *_version_and_requirements(torch, with_cuda=True)
 
 
-ext_modules, cmdclass = _extensions()
+ext_modules, cmdclass, version, install_requires = _extensions()
 
 setup(
+    version=version,
+    install_requires=install_requires,
     packages=["layernorm_ext", "layernorm_ext.csrc"],
     package_dir={"layernorm_ext.csrc": "csrc"},
     package_data={"layernorm_ext.csrc": ["*.h", "*.cpp", "*.cu", "*.cuh", "cpu/*", "cuda/*"]},

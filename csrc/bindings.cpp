@@ -22,7 +22,11 @@
 #include "cuda/launch_plan.h"
 #endif
 
-TORCH_LIBRARY(layernorm_ext, m) {
+// The schemas. Not TORCH_LIBRARY: its static initializer would run at dlopen, and in a second copy of this
+// library loaded into the process (a JIT build beside the prebuilt one, a user's own cpp_extension.load of these
+// sources) the dispatcher's "Only a single TORCH_LIBRARY ..." error escapes it and std::terminate aborts Python.
+// define_schemas_once (from the module init) turns that into an ImportError.
+static void define_schemas(torch::Library& m) {
   m.def(
       "layer_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
       "Tensor? residual=None, bool residual_in_fp32=False, bool memory_efficient=False, float weight_offset=0., "
@@ -180,6 +184,34 @@ TORCH_LIBRARY_IMPL(layernorm_ext, CUDA, m) {
 }
 #endif
 
+namespace {
+
+constexpr const char* kSecondCopy =
+    "layernorm_ext: torch.ops.layernorm_ext is already registered in this process, by another copy of the native "
+    "library (the prebuilt layernorm_ext._C, a JIT build, or a torch.utils.cpp_extension.load of the same "
+    "sources); only one copy can be loaded per process. Import layernorm_ext and use the library it loaded "
+    "(LAYERNORM_EXT_JIT=1 before the first import selects a JIT build) instead of loading the sources again.";
+
+void define_schemas_once() {
+  // Per copy of the library: the same file initialized again (a second cpp_extension.load of the same build)
+  // shares this copy's registration.
+  static bool defined_by_this_copy = false;
+  if (defined_by_this_copy) return;
+  if (c10::Dispatcher::singleton().findSchema({"layernorm_ext::layer_norm_fwd", ""}).has_value()) {
+    throw pybind11::import_error(kSecondCopy);
+  }
+  try {
+    // Lives as long as the process, as TORCH_LIBRARY's registration would.
+    static torch::Library library(torch::Library::DEF, "layernorm_ext", std::nullopt, __FILE__, __LINE__);
+    define_schemas(library);
+  } catch (const c10::Error& err) {
+    throw pybind11::import_error(std::string(kSecondCopy) + " (" + err.what_without_backtrace() + ")");
+  }
+  defined_by_this_copy = true;
+}
+
+}  // namespace
+
 namespace layernorm_ext {
 void add_python_functions(PyObject* module);  // python_functions.cpp: the functional API's eager entry points
 }  // namespace layernorm_ext
@@ -271,6 +303,7 @@ pybind11::dict cuda_launch_plan(const std::string& op, const std::string& direct
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "layernorm_ext native library: registers torch.ops.layernorm_ext.* on import";
+  define_schemas_once();
   layernorm_ext::add_python_functions(module.ptr());
   module.def("build_info", &build_info, "How this library was built: torch version, CUDA, CPU instruction set");
   module.def("supported_cpu_isas", &layernorm_ext::cpu::supported_isas,

@@ -1,4 +1,11 @@
-"""Load the native library once: the prebuilt ``layernorm_ext._C``, or a JIT build of the same sources."""
+"""Load the native library once: the prebuilt ``layernorm_ext._C``, or a JIT build of the same sources.
+
+Only one copy of the library can live in a process: each registers ``torch.ops.layernorm_ext``. So the import
+refuses (ImportError) when something else registered that namespace first, e.g. a user's own
+``torch.utils.cpp_extension.load`` of these sources, and ``layernorm_ext.jit.load()`` hands back the library
+already loaded or refuses (RuntimeError) instead of loading a second one. (A second copy loaded behind our back
+fails its own import with an ImportError: csrc/bindings.cpp registers the schemas from its module init.)
+"""
 
 from __future__ import annotations
 
@@ -17,6 +24,26 @@ _REBUILD_HINT = (
 
 # How the native library got here: "prebuilt" or "jit".
 load_method: str = ""
+
+# The namespace the library registers, and one of its ops (whose presence means it is registered).
+NAMESPACE = "layernorm_ext"
+_PROBE_OP = "layer_norm_fwd"
+
+
+def namespace_registered() -> bool:
+    """Whether some library in this process already registered torch.ops.layernorm_ext's schemas."""
+    return hasattr(getattr(torch.ops, NAMESPACE), _PROBE_OP)
+
+
+def _refuse_if_registered() -> None:
+    """Before loading a library: refuse if another one (not loaded by this package) owns the namespace."""
+    if namespace_registered():
+        raise ImportError(
+            f"layernorm_ext: torch.ops.{NAMESPACE} is already registered in this process by a library this package "
+            "did not load (e.g. a torch.utils.cpp_extension.load of layernorm_ext's sources); a second copy cannot "
+            "register it again. Import layernorm_ext before anything else loads its sources, and set "
+            "LAYERNORM_EXT_JIT=1 before that import for a JIT build."
+        )
 
 
 def _release(version: str) -> str:
@@ -45,14 +72,15 @@ def _load_prebuilt() -> ModuleType | None:
 def _load_jit() -> ModuleType:
     from . import jit
 
-    return jit.load()
+    return jit.build_and_load()
 
 
 def load() -> ModuleType:
     global load_method
+    _refuse_if_registered()
     if os.environ.get("LAYERNORM_EXT_JIT", "0") == "1":
-        load_method = "jit"
-        return _load_jit()
+        module, load_method = _load_jit(), "jit"
+        return module
     module = _load_prebuilt()
     if module is not None:
         load_method = "prebuilt"
@@ -61,8 +89,8 @@ def load() -> ModuleType:
         "layernorm_ext: no prebuilt library in this install; building it just in time (once, cached)...",
         file=sys.stderr,
     )
-    load_method = "jit"
-    return _load_jit()
+    module, load_method = _load_jit(), "jit"
+    return module
 
 
 native: ModuleType = load()

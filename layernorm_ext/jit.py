@@ -2,8 +2,9 @@
 
 Used when ``LAYERNORM_EXT_JIT=1`` is set at import, or automatically when the package was installed without
 a prebuilt library (``LAYERNORM_EXT_BUILD=0 pip install .``). Only one native library may be loaded per
-process (both register ``torch.ops.layernorm_ext``), so call :func:`load` before importing the package, or
-let the import do it.
+process (each registers ``torch.ops.layernorm_ext``), and importing this module imports the package, which
+loads one: so the import does the JIT build (with ``LAYERNORM_EXT_JIT=1``), and :func:`load` returns the
+library the import loaded when that is a JIT build, or raises RuntimeError when it is the prebuilt one.
 
 The CUDA kernels are part of the build when torch has CUDA, a toolkit is found, and a GPU is visible (or
 ``FORCE_CUDA=1``); ``LAYERNORM_EXT_CUDA=0`` leaves them out. A CUDA build lands under its own name in the cache.
@@ -15,12 +16,12 @@ import os
 from types import ModuleType
 
 from ._sources import (
-    CXX_FLAGS,
     NVCC_FLAGS,
     NVCC_VERBOSE_FLAGS,
     WITH_CUDA_DEFINE,
     configure_arch_list,
     configure_cuda_home,
+    cxx_flags,
     force_cuda,
     source_paths,
 )
@@ -40,7 +41,44 @@ def want_cuda() -> bool:
 
 
 def load(verbose: bool | None = None) -> ModuleType:
-    """Compile (or reuse the cached build of) the native library and load it into this process.
+    """The JIT-built native library of this process (``verbose``: unused once it is loaded).
+
+    The package's import has already loaded a library (importing this module imports the package): a JIT build
+    (``LAYERNORM_EXT_JIT=1``, or an install without a prebuilt library) is returned as it is; with the prebuilt
+    library loaded this raises RuntimeError, since a second library cannot register ``torch.ops.layernorm_ext``.
+    """
+    from . import _loader
+
+    if _loader.load_method == "jit":
+        return _loader.native
+    raise RuntimeError(
+        "layernorm_ext.jit.load(): the prebuilt library (layernorm_ext._C) is already loaded in this process, and "
+        "a second library cannot register torch.ops.layernorm_ext again. Set LAYERNORM_EXT_JIT=1 before the first "
+        "`import layernorm_ext` to use a JIT build instead (layernorm_ext.build_info()['load_method'] says which "
+        "is loaded)."
+    )
+
+
+def build_arguments(with_cuda: bool, verbose: bool = False) -> dict[str, object]:
+    """torch.utils.cpp_extension.load's arguments for the JIT build (the flags setup.py uses)."""
+    cflags = cxx_flags()
+    cuda_cflags: list[str] = []
+    if with_cuda:
+        cflags.append(f"-D{WITH_CUDA_DEFINE}")
+        cuda_cflags = [*NVCC_FLAGS, f"-D{WITH_CUDA_DEFINE}", *(NVCC_VERBOSE_FLAGS if verbose else ())]
+    return {
+        "name": JIT_MODULE_NAME + ("_cuda" if with_cuda else ""),
+        "sources": source_paths(with_cuda=with_cuda),
+        "extra_cflags": cflags,
+        "extra_cuda_cflags": cuda_cflags,
+        "with_cuda": with_cuda,
+        "verbose": verbose,
+    }
+
+
+def build_and_load(verbose: bool | None = None) -> ModuleType:
+    """Compile (or reuse the cached build of) the native library and load it into this process: for the
+    package's loader (layernorm_ext/_loader.py), which makes sure no other copy is loaded.
 
     The build lands in torch's extension cache (``TORCH_EXTENSIONS_DIR`` to move it). ``verbose`` defaults to
     ``LAYERNORM_EXT_VERBOSE=1``.
@@ -57,16 +95,4 @@ def load(verbose: bool | None = None) -> ModuleType:
 
     if verbose is None:
         verbose = os.environ.get("LAYERNORM_EXT_VERBOSE", "0") == "1"
-    cflags = list(CXX_FLAGS)
-    cuda_cflags: list[str] = []
-    if with_cuda:
-        cflags.append(f"-D{WITH_CUDA_DEFINE}")
-        cuda_cflags = [*NVCC_FLAGS, f"-D{WITH_CUDA_DEFINE}", *(NVCC_VERBOSE_FLAGS if verbose else ())]
-    return cpp_extension.load(
-        name=JIT_MODULE_NAME + ("_cuda" if with_cuda else ""),
-        sources=source_paths(with_cuda=with_cuda),
-        extra_cflags=cflags,
-        extra_cuda_cflags=cuda_cflags,
-        with_cuda=with_cuda,
-        verbose=verbose,
-    )
+    return cpp_extension.load(**build_arguments(with_cuda, verbose))

@@ -1,38 +1,41 @@
 """The JIT-built library gives bitwise the results of the prebuilt one, both when asked for
-(``LAYERNORM_EXT_JIT=1``) and when a pure-Python install (``LAYERNORM_EXT_BUILD=0``) builds it on first import.
+(``LAYERNORM_EXT_JIT=1``) and when a pure-Python install (``LAYERNORM_EXT_BUILD=0``) builds it on first import;
+and no order of imports and loads of two copies of the library kills the process.
 
 Only one native library may be loaded per process, so the JIT side runs in a subprocess (this file run as a
-script) with an extension cache of the test's own; it saves its results, which are compared with the same
-computation done here on the prebuilt library. The test compiles the library once (minutes on 2 cores): slow.
+script) with an extension cache of the test session's own; it saves its results, which are compared with the
+same computation done here on the prebuilt library. The session compiles the library once (minutes on 2 cores,
+shared by the xdist workers): slow.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import shutil
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 from torch import Tensor
 
 import layernorm_ext
+import layernorm_ext.jit
 from layernorm_ext import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from layernorm_ext._loader import native
 from layernorm_ext._sources import CPU_SOURCES
 
-try:  # pytest is not needed by the subprocess side
-    import pytest
-
-    pytestmark = pytest.mark.slow
-except ImportError:  # pragma: no cover
-    pass
+pytestmark = pytest.mark.slow
 
 _INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
              torch.bfloat16: torch.int16}
-_BUILD_TIMEOUT_S = 600
+# A JIT build takes a few minutes on 2 idle cores; on 2 cores shared with other builds it took over 10.
+_BUILD_TIMEOUT_S = 1200
 # build_info keys that must agree between the two builds (the CPU kernels' instruction set and threading).
 _SAME_INFO = ("torch_version", "cpu_isa", "openmp", "compiler")
 
@@ -93,14 +96,26 @@ def _bits(t: Tensor) -> Tensor:
     return t.contiguous().view(_INT_VIEW[t.dtype])
 
 
+def _jit_load_again() -> str:
+    """What ``layernorm_ext.jit.load()`` does once the import loaded a library: "returns the loaded library", or
+    the error it raises."""
+    try:
+        module = layernorm_ext.jit.load()
+    except RuntimeError as err:
+        return f"RuntimeError: {err}"
+    return "returns the loaded library" if module is native else f"returns another library: {module!r}"
+
+
 def _child_main(out_path: str) -> None:
-    """The subprocess side: this module's import already loaded the library through the JIT path."""
+    """The subprocess side: this module's import already loaded the library (the JIT path, or the prebuilt one
+    where the install has it)."""
     info = layernorm_ext.build_info()
     payload = {
         "package_file": layernorm_ext.__file__,
         "build_info": {k: info[k] for k in (*_SAME_INFO, "load_method")},
         "prebuilt_loaded": "layernorm_ext._C" in sys.modules,
         "results": compute(),
+        "jit_load_again": _jit_load_again(),
     }
     torch.save(payload, out_path)
 
@@ -183,35 +198,193 @@ def _pure_python_install(tmp_path: Path) -> Path:
     return site
 
 
-def test_jit_builds_match_prebuilt(tmp_path: Path) -> None:
+@dataclass(frozen=True)
+class JitInstall:
+    site: Path  # the pure-Python install (LAYERNORM_EXT_BUILD=0)
+    ext_dir: Path  # the extension cache holding its JIT build
+    first_payload: dict  # what its first import (which compiled the library) saved
+
+
+@pytest.fixture(scope="session")
+def jit_install(tmp_path_factory: pytest.TempPathFactory) -> JitInstall:
+    """A pure-Python install whose first import JIT-built the library into an empty extension cache: one
+    compilation (minutes on 2 cores) for the whole session, xdist workers included (a file lock in their shared
+    folder: the first worker builds, the others wait and reuse)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    root = root / "layernorm_ext_jit_install"
+    root.mkdir(exist_ok=True)
+    ext_dir, first, failed = root / "torch_extensions", root / "first_payload.pt", root / "failed.txt"
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if failed.exists():  # a worker's build failed: the others do not spend minutes on the same failure
+            pytest.fail(f"the session's JIT build failed:\n{failed.read_text()}")
+        if not first.exists():
+            try:
+                site = _pure_python_install(root)
+                payload = _run_child(root, ext_dir, {"PYTHONPATH": str(site)}, _DROP_EDITABLE_FINDERS)
+            except BaseException as err:
+                failed.write_text(f"{type(err).__name__}: {err}"[-8000:])
+                raise
+            torch.save(payload, first)
+    return JitInstall(root / "site", ext_dir, torch.load(first, weights_only=True))
+
+
+def test_jit_builds_match_prebuilt(tmp_path: Path, jit_install: JitInstall) -> None:
     """Both ways to the JIT library, with one compilation between them (a build takes minutes on 2 cores):
 
     1. A pure-Python install (``LAYERNORM_EXT_BUILD=0``) builds the library on first import, into an empty
-       extension cache; its results are bitwise those of the prebuilt library of this process.
+       extension cache; its results are bitwise those of the prebuilt library of this process, and
+       ``layernorm_ext.jit.load()`` afterwards returns that library (JIT twice: no second load).
     2. The same install given this process's prebuilt library, with ``LAYERNORM_EXT_JIT=1``: the import takes
        the JIT path all the same (the prebuilt is not loaded), finds the cached build of step 1 up to date and
        loads it without compiling again; bitwise the same results.
-    3. The same install without ``LAYERNORM_EXT_JIT``: the prebuilt library loads.
+    3. The same install without ``LAYERNORM_EXT_JIT``: the prebuilt library loads, and ``jit.load()`` refuses
+       to load a second library with a RuntimeError.
     """
     assert layernorm_ext.build_info()["load_method"] == "prebuilt", "this process must use the prebuilt library"
-    site = _pure_python_install(tmp_path)
-    ext_dir = tmp_path / "torch_extensions"
+    site, ext_dir = jit_install.site, jit_install.ext_dir
     env = {"PYTHONPATH": str(site)}
 
-    payload = _run_child(tmp_path, ext_dir, env, _DROP_EDITABLE_FINDERS)
+    payload = jit_install.first_payload
     assert Path(payload["package_file"]).resolve().is_relative_to(site.resolve()), payload["package_file"]
     built = _jit_libraries(ext_dir)
     assert built, f"no JIT library under TORCH_EXTENSIONS_DIR={ext_dir}"
     _assert_same_as_prebuilt(payload)
+    assert payload["jit_load_again"] == "returns the loaded library"
 
+    # Other tests of the session use the install too: they do not care whether it has the prebuilt library.
     prebuilt = Path(native.__file__)
     shutil.copy2(prebuilt, site / "layernorm_ext" / prebuilt.name)
     payload = _run_child(tmp_path, ext_dir, {**env, "LAYERNORM_EXT_JIT": "1"}, _DROP_EDITABLE_FINDERS)
     assert _jit_libraries(ext_dir) == built, "LAYERNORM_EXT_JIT=1 rebuilt instead of reusing the cached build"
     _assert_same_as_prebuilt(payload)
+    assert payload["jit_load_again"] == "returns the loaded library"
 
     payload = _run_child(tmp_path, ext_dir, env, _DROP_EDITABLE_FINDERS)
     assert payload["build_info"]["load_method"] == "prebuilt" and payload["prebuilt_loaded"] is True
+    assert payload["jit_load_again"].startswith("RuntimeError: layernorm_ext.jit.load(): the prebuilt library")
+
+
+def _run_script(tmp_path: Path, code: str, env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **env_extra}
+    env.pop("LAYERNORM_EXT_JIT", None)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=_BUILD_TIMEOUT_S, cwd=str(tmp_path))
+
+
+def _assert_exited_cleanly(proc: subprocess.CompletedProcess[str], last_line: str) -> None:
+    """Not killed by a signal (an abort is -6), and the script ran to its end."""
+    assert proc.returncode == 0 and proc.stdout.strip().endswith(last_line), (
+        f"exit status {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    )
+
+
+def test_readme_jit_example_with_prebuilt_raises(tmp_path: Path) -> None:
+    """README's old JIT example with the prebuilt library installed: ``import layernorm_ext.jit`` loads the
+    prebuilt library, and ``load()`` raised no Python error but aborted the process once its build loaded."""
+    code = (
+        "import layernorm_ext.jit\n"
+        "try:\n"
+        "    layernorm_ext.jit.load()\n"
+        "except RuntimeError as err:\n"
+        "    print('RuntimeError:', err)\n"
+        "import torch\n"
+        "x = torch.randn(3, 7)\n"
+        "assert torch.equal(layernorm_ext.layer_norm(x, 7), torch.ops.layernorm_ext.layer_norm(x, [7]))\n"
+        "print('still working')\n"
+    )
+    proc = _run_script(tmp_path, code, {"TORCH_EXTENSIONS_DIR": str(tmp_path / "cache")})
+    _assert_exited_cleanly(proc, "still working")
+    assert "RuntimeError: layernorm_ext.jit.load(): the prebuilt library (layernorm_ext._C) is already loaded" in (
+        proc.stdout
+    )
+    assert not (tmp_path / "cache").exists(), "jit.load() started a build"
+
+
+def test_second_copy_of_prebuilt_refused(tmp_path: Path) -> None:
+    """After ``import layernorm_ext``: the prebuilt library's own file initialized again (as a second
+    cpp_extension.load of one build does) shares its registration; a copy of it at another path (what any second
+    build of the sources is, without compiling one) fails its module init with ImportError. Before, that copy's
+    static TORCH_LIBRARY registration aborted the process."""
+    copy = tmp_path / "copy" / Path(native.__file__).name
+    copy.parent.mkdir()
+    shutil.copy2(native.__file__, copy)
+    code = (
+        "import importlib.util, torch, layernorm_ext\n"
+        # Distinct module names (any ending in _C, the init function's name): Python hands back a module it
+        # initialized under the same name without initializing the new file.
+        "def initialize(path, name):\n"
+        "    spec = importlib.util.spec_from_file_location(name, path)\n"
+        "    module = importlib.util.module_from_spec(spec)\n"
+        "    spec.loader.exec_module(module)\n"
+        "    return module\n"
+        f"assert initialize({native.__file__!r}, 'again._C').build_info() == layernorm_ext._C.build_info()\n"
+        "try:\n"
+        f"    initialize({str(copy)!r}, 'copy._C')\n"
+        "except ImportError as err:\n"
+        "    print('ImportError:', err)\n"
+        "x = torch.randn(7, 5125)\n"
+        "torch.testing.assert_close(layernorm_ext.rms_norm(x, 5125), torch.nn.functional.rms_norm(x, (5125,)))\n"
+        "print('still working')\n"
+    )
+    proc = _run_script(tmp_path, code, {})
+    _assert_exited_cleanly(proc, "still working")
+    assert "ImportError: layernorm_ext: torch.ops.layernorm_ext is already registered in this process, by " \
+        "another copy of the native library" in proc.stdout
+
+
+def _user_load_code(site: Path) -> str:
+    """A user's own torch.utils.cpp_extension.load of the install's sources, with the arguments of the package's
+    JIT build (so that it finds that build in the cache instead of compiling again)."""
+    arguments = layernorm_ext.jit.build_arguments(with_cuda=False)
+    arguments["sources"] = [str(site / "layernorm_ext" / "csrc" / name) for name in CPU_SOURCES]
+    return (
+        "import json, torch.utils.cpp_extension as cpp_extension\n"
+        f"user_module = cpp_extension.load(**json.loads({json.dumps(arguments)!r}))\n"
+    )
+
+
+def test_user_load_then_import_refused(tmp_path: Path, jit_install: JitInstall) -> None:
+    """A user's cpp_extension.load of our sources first, then ``import layernorm_ext``: the import refuses with an
+    ImportError before loading a second library (which used to abort the process)."""
+    code = (
+        _DROP_EDITABLE_FINDERS + "\n" + _user_load_code(jit_install.site)
+        + "assert user_module.build_info()['torch_version']\n"
+        "try:\n"
+        "    import layernorm_ext\n"
+        "except ImportError as err:\n"
+        "    print('ImportError:', err)\n"
+        "print('still working')\n"
+    )
+    proc = _run_script(tmp_path, code, {"PYTHONPATH": str(jit_install.site),
+                                        "TORCH_EXTENSIONS_DIR": str(jit_install.ext_dir)})
+    _assert_exited_cleanly(proc, "still working")
+    assert "ImportError: layernorm_ext: torch.ops.layernorm_ext is already registered in this process by a " \
+        "library this package did not load" in proc.stdout
+
+
+def test_import_then_user_load_refused(tmp_path: Path, jit_install: JitInstall) -> None:
+    """``import layernorm_ext`` (prebuilt), then a user's cpp_extension.load of our sources: the second library's
+    module init raises ImportError (csrc/bindings.cpp) instead of terminating in a static initializer, and the
+    ops keep working."""
+    code = (
+        "import layernorm_ext, torch\n"
+        "assert layernorm_ext.build_info()['load_method'] == 'prebuilt'\n"
+        + _user_load_code(jit_install.site).replace("user_module = ", "try:\n    user_module = ")
+        + "except ImportError as err:\n"
+        "    print('ImportError:', err)\n"
+        "x = torch.randn(5, 769, dtype=torch.float64)\n"
+        "want = torch.nn.functional.layer_norm(x, (769,))\n"
+        "torch.testing.assert_close(layernorm_ext.layer_norm(x, 769), want)\n"
+        "print('still working')\n"
+    )
+    proc = _run_script(tmp_path, code, {"TORCH_EXTENSIONS_DIR": str(jit_install.ext_dir)})
+    _assert_exited_cleanly(proc, "still working")
+    assert "ImportError: layernorm_ext: torch.ops.layernorm_ext is already registered in this process, by " \
+        "another copy of the native library" in proc.stdout
 
 
 if __name__ == "__main__":
