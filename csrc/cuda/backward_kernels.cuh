@@ -197,18 +197,18 @@ constexpr int backward_long_min_blocks() {
 
 // The terms of element j of a lane's pack, converted from the raw packs (twice per row: for the sums, then for
 // dx, rather than holding the row as floats): dy, g = dy * weight and d. d is saved minus the row's stored mean
-// (LayerNorm; exact near the mean), saved itself (RMSNorm), or, in memory-efficient mode, xhat recovered from
-// the forward's output as (out - bias) / weight. Absent weight / bias packs are zeros: w_base (weight_offset,
-// or 1 without a weight) then gives the scale.
-template <typename Tg, typename Ts, typename Tw, bool kRms, typename A, int kVec>
-__device__ __forceinline__ void element_terms(const BackwardArgs<A>& a, const RawPack<Tg, kVec>& dy_raw,
-                                              const RawPack<Ts, kVec>& saved_raw, const RawPack<Tw, kVec>& w_raw,
-                                              const RawPack<Tw, kVec>& b_raw, A w_base, A mean, int j, A& dy, A& d,
-                                              A& g) {
+// (LayerNorm; exact near the mean), saved itself (RMSNorm), or, kFromOutput (memory-efficient mode), xhat
+// recovered from the forward's output as (out - bias) / weight. Absent weight / bias packs are zeros: w_base
+// (weight_offset, or 1 without a weight) then gives the scale. The mode is a template flag of the row's code:
+// as a run-time select per element, ptxas computed the division on every element of either mode.
+template <bool kFromOutput, bool kRms, typename Tg, typename Ts, typename Tw, typename A, int kVec>
+__device__ __forceinline__ void element_terms(const RawPack<Tg, kVec>& dy_raw, const RawPack<Ts, kVec>& saved_raw,
+                                              const RawPack<Tw, kVec>& w_raw, const RawPack<Tw, kVec>& b_raw,
+                                              A w_base, A mean, int j, A& dy, A& d, A& g) {
   dy = raw_element<A>(dy_raw, j);
   const A w = raw_element<A>(w_raw, j) + w_base;
   d = raw_element<A>(saved_raw, j);
-  if (a.saved_is_output) {
+  if constexpr (kFromOutput) {
     if constexpr (!kRms) d -= raw_element<A>(b_raw, j);
     d /= w;
   } else if constexpr (!kRms) {
@@ -219,9 +219,9 @@ __device__ __forceinline__ void element_terms(const BackwardArgs<A>& a, const Ra
 
 // Register path, persistent. Threads to rows: rows_per_block groups of `lanes` threads per block (a sub-warp,
 // a warp or the whole block per row), each group striding over rows by gridDim.x * rows_per_block; lane l owns
-// packs l, l + lanes, ... (kPacks) of the columns, the same for every row. Registers: the lane's weight (and,
-// memory-efficient LayerNorm, bias) packs as raw bits, loaded once per block; per row the raw packs of dy, saved
-// (and grad_residual_out: kResidual, a compile-time flag), all issued before the first use of any of them, then
+// packs l, l + lanes, ... (kPacks) of the columns, the same for every row. Registers: the lane's weight packs
+// as raw bits, loaded once per block; per row the raw packs of dy, saved (and grad_residual_out: kResidual, a
+// compile-time flag; memory-efficient LayerNorm: bias), all issued before the first use of any of them, then
 // converted twice (the sums, then dx) instead of held as floats; the lane's dweight / dbias partials for its
 // columns across all its rows, as floats. Reduction: the lane's sum(g), sum(g * d) (and sum(d)) in the compute
 // type, all-reduced in one pass: shuffles in the warp, and for a row of several warps one shared-memory round
@@ -243,16 +243,12 @@ __global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
   bool lane_cols[kPacks];  // this lane's packs exist (the row's length need not fill the last round of lanes)
 #pragma unroll
   for (int p = 0; p < kPacks; ++p) lane_cols[p] = static_cast<int64_t>(p) * a.lanes + lane < a.units;
-  RawPack<Tw, kVec> w_raw[kPacks], b_raw[kPacks];
+  RawPack<Tw, kVec> w_raw[kPacks];
   {
-    bool has_weight[kPacks], has_bias[kPacks];
+    bool has_weight[kPacks];
 #pragma unroll
-    for (int p = 0; p < kPacks; ++p) {
-      has_weight[p] = lane_cols[p] && a.weight != nullptr;
-      has_bias[p] = !kRms && lane_cols[p] && a.saved_is_output && a.bias != nullptr;
-    }
+    for (int p = 0; p < kPacks; ++p) has_weight[p] = lane_cols[p] && a.weight != nullptr;
     load_packs<Tw, kVec, kPacks>(a.weight, lane, a.lanes, has_weight, w_raw);
-    load_packs<Tw, kVec, kPacks>(a.bias, lane, a.lanes, has_bias, b_raw);
   }
   const A w_base = a.weight != nullptr ? a.weight_offset : A(1);
   A dweight[kPacks][kVec];
@@ -262,10 +258,10 @@ __global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
 #pragma unroll
     for (int j = 0; j < kVec; ++j) dweight[p][j] = dbias[p][j] = A(0);
 
+  // One row of the group: kFromOutput as a type (both modes compiled, chosen once per row).
   int parity = 0;
-  const int64_t row_step = static_cast<int64_t>(gridDim.x) * a.rows_per_block;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * a.rows_per_block; base < a.rows; base += row_step) {
-    const int64_t row = base + group;
+  auto process_row = [&](int64_t row, auto from_output) {
+    constexpr bool kFromOutput = decltype(from_output)::value;
     const bool row_ok = row < a.rows;
     bool valid[kPacks];
 #pragma unroll
@@ -274,9 +270,16 @@ __global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
     RawPack<Tg, kVec> dy_raw[kPacks];
     RawPack<Ts, kVec> saved_raw[kPacks];
     RawPack<Ts, kVec> extra_raw[kResidual ? kPacks : 1];
+    RawPack<Tw, kVec> b_raw[kFromOutput && !kRms ? kPacks : 1];
     load_packs<Tg, kVec, kPacks>(a.grad_out, first_unit, a.lanes, valid, dy_raw);
     load_packs<Ts, kVec, kPacks>(a.saved, first_unit, a.lanes, valid, saved_raw);
     if constexpr (kResidual) load_packs<Ts, kVec, kPacks>(a.grad_residual_out, first_unit, a.lanes, valid, extra_raw);
+    if constexpr (kFromOutput && !kRms) {
+      bool has_bias[kPacks];
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) has_bias[p] = valid[p] && a.bias != nullptr;
+      load_packs<Tw, kVec, kPacks>(a.bias, lane, a.lanes, has_bias, b_raw);
+    }
     A mean = A(0), rstd = A(0);
     if (row_ok) row_stats(a, row, kRms, &mean, &rstd);
     S s{};
@@ -286,8 +289,8 @@ __global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
           A dy, d, g;
-          element_terms<Tg, Ts, Tw, kRms, A, kVec>(a, dy_raw[p], saved_raw[p], w_raw[p], b_raw[p], w_base, mean, j,
-                                                   dy, d, g);
+          element_terms<kFromOutput, kRms>(dy_raw[p], saved_raw[p], w_raw[p], b_raw[kFromOutput && !kRms ? p : 0],
+                                           w_base, mean, j, dy, d, g);
           s.v[0] += g;
           s.v[1] += g * d;
           if constexpr (!kRms) s.v[2] += d;
@@ -304,8 +307,8 @@ __global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
           A dy, d, g;
-          element_terms<Tg, Ts, Tw, kRms, A, kVec>(a, dy_raw[p], saved_raw[p], w_raw[p], b_raw[p], w_base, mean, j,
-                                                   dy, d, g);
+          element_terms<kFromOutput, kRms>(dy_raw[p], saved_raw[p], w_raw[p], b_raw[kFromOutput && !kRms ? p : 0],
+                                           w_base, mean, j, dy, d, g);
           const A centred = d - c.delta;
           dx[j] = c.rstd * fused_multiply_add(-centred, c.k, g - c.mean_g);
           if constexpr (kResidual) dx[j] += raw_element<A>(extra_raw[p], j);
@@ -315,6 +318,11 @@ __global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
         store_pack<Ts, A, kVec>(a.grad_input, first_unit + static_cast<int64_t>(p) * a.lanes, dx);
       }
     }
+  };
+  const int64_t row_step = static_cast<int64_t>(gridDim.x) * a.rows_per_block;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * a.rows_per_block; base < a.rows; base += row_step) {
+    if (a.saved_is_output) process_row(base + group, std::true_type{});
+    else process_row(base + group, std::false_type{});
   }
   // Block partials: group 0 adds the other groups' values in group order, then writes the block's row.
   if (want_dweight) write_block_partials(a, dweight, a.partial_dweight, combine_buf, group, lane);
