@@ -359,3 +359,99 @@ def test_emulated_quantized_output(emulated: ModuleType, rms: bool, dtype: torch
                 _same_bits(scales, want_scales, f"scales, {what}")
                 assert torch.isnan(scales[0]).all(), what
             _same_bits(got_h, h, f"residual_out, {what}")
+
+
+# ---- global memory traffic: bytes each kernel loads and stores (the emulation counts them per launch) ---------
+#
+# The kernels count their global accesses through kernel_common.cuh's helpers (load_pack(s), store_pack,
+# load_global, store_global); the forward's weight and bias (load_affine, forward_kernels.cuh) and its direct
+# stores (residual_out, mean, rstd) are not counted, so the forward's figure is its loads of the row streams:
+# input and residual.
+
+ELEMENT = {F32: 4, BF16: 2}
+TRAFFIC_NS = (7, 64, 1024, 4096, 5120, 20000, 40000)  # sub-warp ... block per row, long rows (bf16 and f32)
+# Where today's design moves more than the minimum: strict, so that the fix turns them into failures to update.
+FORWARD_READ_TWICE = 40000  # a long row beyond the emulated 100 KiB of shared memory (float rows): not staged
+BACKWARD_LONG = (20000, 40000)  # beyond the backward's registers (N > 8192): the long path
+
+
+def _traffic_ns(known_misses: tuple[int, ...], reason: str) -> list[Any]:
+    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=reason)) if n in known_misses else n
+            for n in TRAFFIC_NS]
+
+
+def _traffic(emulated: ModuleType, run) -> list[tuple[int, int, int, int]]:
+    emulated.reset_global_traffic()
+    run()
+    return emulated.global_traffic()
+
+
+@pytest.mark.parametrize("n", _traffic_ns((FORWARD_READ_TWICE,), "long rows beyond shared memory are read twice "
+                                          "(no cluster yet: issue 23, item 4)"))
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_emulated_forward_reads_each_element_once(
+    emulated: ModuleType, dtype: torch.dtype, rms: bool, residual: bool, n: int
+) -> None:
+    """The forward loads each element of x (and of the residual) from global memory exactly once: M x N x
+    (elem(x) + elem(residual)) bytes in its one launch, on every path whose row is read once (registers; long
+    rows staged in shared memory). The long path that cannot stage its row (40000 floats on the emulated 100 KiB)
+    reads it a second time: a known miss."""
+    m = _rows(n)
+    x, w, b = torch.randn(m, n, dtype=dtype), torch.randn(n, dtype=dtype), torch.randn(n, dtype=dtype)
+    r = torch.randn(m, n, dtype=dtype) if residual else None
+    plan = emulated.launch_plan(rms, False, dtype, dtype, dtype, m, n)
+    assert (plan["packs"] == 0 and not plan["staged"]) == (n == FORWARD_READ_TWICE)  # the marks follow the plan
+    if rms:
+        launches = _traffic(emulated, lambda: emulated.rms_norm_fwd(x, [n], w, None, r, False))
+    else:
+        launches = _traffic(emulated, lambda: emulated.layer_norm_fwd(x, [n], w, b, 1e-5, r, False))
+    assert len(launches) == 1
+    _, _, loaded, _ = launches[0]
+    assert loaded == m * n * ELEMENT[dtype] * (2 if residual else 1)
+
+
+def _backward(emulated: ModuleType, rms: bool, m: int, n: int, dtype: torch.dtype, residual: bool):
+    x, g, w, b = (torch.randn(m, n, dtype=dtype), torch.randn(m, n, dtype=dtype), torch.randn(n, dtype=dtype),
+                  torch.randn(n, dtype=dtype))
+    extra = torch.randn(m, n, dtype=dtype) if residual else None
+    if rms:
+        _, _, rstd = emulated.rms_norm_fwd(x, [n], w, None, None, False)
+        return _traffic(emulated, lambda: emulated.rms_norm_bwd(g, x, rstd, [n], w, False, extra))
+    _, _, mean, rstd = emulated.layer_norm_fwd(x, [n], w, b, 1e-5, None, False)
+    return _traffic(emulated, lambda: emulated.layer_norm_bwd(g, x, mean, rstd, [n], w, b, False, extra))
+
+
+@pytest.mark.parametrize("n", _traffic_ns(BACKWARD_LONG, "long rows: read twice, dweight / dbias added into a "
+                                          "global partial row for every row (issue 23, item 5: column slices)"))
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_emulated_backward_traffic(emulated: ModuleType, dtype: torch.dtype, rms: bool, residual: bool, n: int) -> None:
+    """The backward's bytes, launch by launch (weight and bias in the input dtype, mean / rstd in float).
+    Register path, exactly: dy, saved (and grad_residual_out) loaded once, the weight once per row group
+    (rows_per_block groups in each of the grid's blocks), mean / rstd once per row; dx stored once and one
+    [grid, N] float row of each partial buffer per block. Then one reduce launch per buffer (dweight; dbias for
+    LayerNorm): it loads the [grid, N] partials once and stores N values. Long rows: the kernel (and any memset
+    it needs) moves at most x + dy + dx (+ grad_residual_out) + (4 x buffers + elem(w)) x grid / M bytes per
+    element, + the row statistics (4 or 8 bytes per row)."""
+    m, s = _rows(n), ELEMENT[dtype]
+    buffers, stats = (1, 4) if rms else (2, 8)
+    plan = emulated.launch_plan(rms, True, dtype, dtype, dtype, m, n)
+    assert (plan["packs"] == 0) == (n in BACKWARD_LONG)  # the marks follow the plan
+    launches = _backward(emulated, rms, m, n, dtype, residual)
+    main, reduce = launches[:-buffers], launches[-buffers:]
+    grid = plan["grid"]
+    for _, _, loaded, stored in reduce:
+        assert (loaded, stored) == (grid * n * 4, n * s)
+    streams_in = m * n * s * (3 if residual else 2)  # dy, saved, (grad_residual_out)
+    if plan["packs"] > 0:
+        assert len(main) == 1
+        _, _, loaded, stored = main[0]
+        assert loaded == streams_in + grid * plan["rows_per_block"] * n * s + m * stats * plan["lanes"]
+        assert stored == m * n * s + buffers * grid * n * 4
+    else:
+        moved = sum(t[2] + t[3] for t in main)
+        bound = streams_in + m * n * s + (4 * buffers + s) * grid * n + m * stats * plan["lanes"]
+        assert moved <= bound, f"{moved / (m * n):.2f} bytes per element, bound {bound / (m * n):.2f}"

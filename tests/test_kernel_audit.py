@@ -146,7 +146,7 @@ def test_plan_forward_stages_a_long_row_where_it_fits():
 
 def test_plan_backward_is_persistent():
     uncapped = _plan(direction="backward", op="rms_norm", cols=256, rows=100000)
-    assert uncapped["kernel"] == "backward_rows_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, true, 8, 2>"
+    assert uncapped["kernel"] == "backward_rows_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, true, 8, 2, false>"  # no grad_residual_out
     assert uncapped["persistent"] and uncapped["rows_per_block"] == 8
     assert uncapped["grid"] == uncapped["row_groups"] == 12500
     assert uncapped["dynamic_shared"] == 128 * 2 * 8 * 4  # the block's partials combine buffer

@@ -21,6 +21,10 @@
 #define LNX_LAUNCH(kernel, grid, block, shared_bytes, stream) kernel<<<grid, block, shared_bytes, stream>>>
 // The block's dynamic shared memory as `unsigned char name[]`, 16-byte aligned.
 #define LNX_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+// Global memory traffic, counted by the host emulation (bytes per launch, tests/test_cuda_emulation.py); nothing
+// on the GPU.
+#define LNX_COUNT_LOAD(bytes) ((void)0)
+#define LNX_COUNT_STORE(bytes) ((void)0)
 
 namespace layernorm_ext {
 namespace cuda {
@@ -78,6 +82,7 @@ struct alignas(sizeof(T) * kVec < 16 ? sizeof(T) * kVec : 16) Pack {
 
 template <typename A, typename T, int kVec>
 __device__ __forceinline__ void load_pack(const void* base, int64_t unit, A (&out)[kVec]) {
+  LNX_COUNT_LOAD(sizeof(Pack<T, kVec>));
   const Pack<T, kVec> pack = reinterpret_cast<const Pack<T, kVec>*>(base)[unit];
 #pragma unroll
   for (int j = 0; j < kVec; ++j) out[j] = to_acc<A>(pack.v[j]);
@@ -85,6 +90,7 @@ __device__ __forceinline__ void load_pack(const void* base, int64_t unit, A (&ou
 
 template <typename T, typename A, int kVec>
 __device__ __forceinline__ void store_pack(void* base, int64_t unit, const A (&in)[kVec]) {
+  LNX_COUNT_STORE(sizeof(Pack<T, kVec>));
   Pack<T, kVec> pack;
 #pragma unroll
   for (int j = 0; j < kVec; ++j) pack.v[j] = from_acc<T>(in[j]);
@@ -137,8 +143,24 @@ __device__ __forceinline__ void load_packs(const void* base, int64_t first_unit,
 #pragma unroll
   for (int p = 0; p < kPacks; ++p) {
     out[p] = RawPack<T, kVec>{};  // zeros first, then a predicated load: a select after the load would wait for it
-    if (valid[p]) out[p] = packs[static_cast<int64_t>(p) * stride];
+    if (valid[p]) {
+      LNX_COUNT_LOAD(sizeof(RawPack<T, kVec>));
+      out[p] = packs[static_cast<int64_t>(p) * stride];
+    }
   }
+}
+
+// One value of global memory, loaded or stored (per-row statistics, partial sums), counted like the packs.
+template <typename T>
+__device__ __forceinline__ T load_global(const T* p) {
+  LNX_COUNT_LOAD(sizeof(T));
+  return *p;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_global(T* p, T v) {
+  LNX_COUNT_STORE(sizeof(T));
+  *p = v;
 }
 
 // A pack of a tensor whose dtype is known only at run time (the residual: any float dtype). The branch is
@@ -326,6 +348,26 @@ __device__ __forceinline__ double merge_warp_sums(const Sums<double, 1>* scratch
   const int width = pow2_at_least(warps);
   const int part = threadIdx.x & (width - 1);
   return warp_allreduce(Sums<double, 1>{{part < warps ? scratch[part].v[0] : 0.0}}, width).v[0];
+}
+
+// All-reduce over the `lanes` threads of one row with at most one barrier: butterflies inside the warp, then
+// (a row of several warps) one shared-memory round: lane w of each group of pow2(warps) lanes takes warp w's
+// value and the group adds them with butterflies, a fixed order that gives every thread the same bits.
+// `scratch` holds one Stat per warp; the caller alternates between two such buffers from row to row, so the
+// next row's writes never meet this row's reads and no second barrier is needed. Every thread of the block must
+// call it.
+template <typename Stat>
+__device__ __forceinline__ Stat row_allreduce_one_barrier(Stat s, int lanes, Stat* scratch) {
+  s = warp_allreduce(s, lanes < 32 ? lanes : 32);
+  if (lanes > 32) {
+    const int warps = lanes / 32;
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x / 32] = s;
+    __syncthreads();
+    const int width = pow2_at_least(warps);
+    const int part = threadIdx.x & (width - 1);
+    s = warp_allreduce(part < warps ? scratch[part] : Stat{}, width);
+  }
+  return s;
 }
 
 constexpr int kMaxRowThreads = 512;   // threads per row of the register paths, and block size of the long path

@@ -13,8 +13,9 @@
 // Statistics: rows in registers take two passes over them (LayerNorm: the sum for a shift, the rounded mean;
 // then the sums of h - shift and of its square; RMSNorm: the sum of squares). Each thread adds its own
 // values in the compute type; the threads' sums are added in double over __shfl_xor_sync butterflies, always
-// lower lane first so every lane gets the same bits; the forward then merges the warps' moments after one
-// shared-memory round (one barrier per row), the backward adds the warps' sums in warp order.
+// lower lane first so every lane gets the same bits; a row of several warps then takes one shared-memory round
+// (one barrier per row): the forward merges the warps' moments, the backward adds the warps' sums with
+// butterflies over their lanes (row_allreduce_one_barrier), a fixed order.
 // Long rows merge per-thread Welford states (count, mean, M2) in double with Chan's formula. rstd is rounded
 // once from a double variance. The backward corrects xhat for the stored mean's rounding (delta = mean(d)).
 //
@@ -143,15 +144,17 @@ constexpr const char* type_name() {
   else return "float";
 }
 
-// residual: the register-path forward's compile-time residual flag (packs > 0 there); the plan names the
-// variant without a residual.
+// residual: the register paths' compile-time residual flag (forward: residual; backward: grad_residual_out);
+// the plan names the variant without a residual.
 template <typename... T>
 std::string kernel_name(const char* function, bool rms, int vec, int packs, bool quant, bool residual = false) {
   std::string name = std::string(function) + "<";
   for (const char* type : {type_name<T>()...}) name += std::string(type) + ", ";
   name += std::string(rms ? "true" : "false") + ", " + std::to_string(vec);
   if (packs > 0) name += ", " + std::to_string(packs);
-  if (std::string(function) == "forward_rows_kernel") name += residual ? ", true" : ", false";
+  if (std::string(function) == "forward_rows_kernel" || std::string(function) == "backward_rows_kernel") {
+    name += residual ? ", true" : ", false";
+  }
   if (quant) name += ", layernorm_ext::cuda::QuantArgs";
   return name + ">";
 }
@@ -308,7 +311,7 @@ LaunchPlan plan_backward_vec(int64_t rows, int64_t cols, const DeviceLimits& dev
     plan.dynamic_shared =
         plan.rows_per_block > 1 ? static_cast<size_t>(plan.threads) * plan.packs * kVec * sizeof(A) : 0;
     with_packs<kMax>(plan.packs, [&](auto packs) {
-      kernel = reinterpret_cast<const void*>(backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, decltype(packs)::value>);
+      kernel = reinterpret_cast<const void*>(backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, decltype(packs)::value, false>);
     });
     plan.kernel = kernel_name<Tg, Ts, Tw>("backward_rows_kernel", kRms, kVec, plan.packs, false);
   } else {
@@ -373,9 +376,13 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
   }
 
   if (!long_path) {
-    with_packs<kMax>(plan.packs, [&](auto packs) {
-      auto kernel = backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, decltype(packs)::value>;
+    auto launch_rows = [&](auto packs, auto residual) {
+      auto kernel = backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, decltype(packs)::value, decltype(residual)::value>;
       LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, smem, stream)(a);
+    };
+    with_packs<kMax>(plan.packs, [&](auto packs) {
+      if (p.grad_residual_out != nullptr) launch_rows(packs, std::true_type{});
+      else launch_rows(packs, std::false_type{});
     });
   } else {
     auto kernel = backward_long_kernel<Tg, Ts, Tw, kRms, kVec>;

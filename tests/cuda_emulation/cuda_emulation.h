@@ -141,6 +141,32 @@ constexpr int kSMs = 3;
 constexpr int kBlocksPerSM = 2;
 constexpr int kSharedOptin = 100 * 1024;
 
+// Global memory traffic per launch (and per cudaMemsetAsync), in bytes: the kernels count their global
+// accesses through kernel_common.cuh's helpers (load_pack(s), store_pack, load_global, store_global). Tests read
+// it (tests/test_cuda_emulation.py) to check the bytes each kernel moves per element.
+struct Traffic {
+  unsigned grid = 0, threads = 0;
+  uint64_t loaded = 0, stored = 0;
+};
+
+inline std::vector<Traffic>& traffic_log() {
+  static std::vector<Traffic> log;
+  return log;
+}
+
+inline Traffic*& current_traffic() {
+  static Traffic* current = nullptr;
+  return current;
+}
+
+inline void count_global_load(size_t bytes) {
+  if (current_traffic() != nullptr) current_traffic()->loaded += bytes;
+}
+
+inline void count_global_store(size_t bytes) {
+  if (current_traffic() != nullptr) current_traffic()->stored += bytes;
+}
+
 // The running block: one fiber per CUDA thread, resumed in turn until each reaches the next barrier.
 struct Block {
   std::vector<Context> fibers;
@@ -192,6 +218,16 @@ void launch(Kernel kernel, dim3 grid, dim3 threads, size_t shared_bytes, Args...
   if (b.stacks.size() < b.count) b.stacks.resize(b.count);
   b.body = [&] { kernel(args...); };
   b.error = nullptr;
+  traffic_log().push_back(Traffic{grid.x, b.count, 0, 0});
+  Traffic traffic = traffic_log().back();
+  current_traffic() = &traffic;  // a local: the log may grow (reallocate) only after this launch
+  struct Record {
+    Traffic& traffic;
+    ~Record() {
+      traffic_log().back() = traffic;
+      current_traffic() = nullptr;
+    }
+  } record{traffic};
   for (unsigned bx = 0; bx < grid.x; ++bx) {
     b.dynamic_shared.assign(shared_bytes + 16, 0xAB);  // garbage: nothing may read it before writing
     b.done.assign(b.count, false);
@@ -274,6 +310,7 @@ cudaError_t cudaFuncSetAttribute(Kernel, cudaFuncAttribute, int value) {
   return cudaSuccess;
 }
 inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
+  emulation::traffic_log().push_back(emulation::Traffic{0, 0, 0, bytes});  // grid 0: a memset
   std::memset(p, value, bytes);
   return cudaSuccess;
 }
@@ -283,6 +320,8 @@ inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_
 #define LNX_LAUNCH(kernel, grid, block, shared_bytes, stream) \
   ::emulation::bind(kernel, ::emulation::Launcher{dim3(grid), dim3(block), static_cast<size_t>(shared_bytes)})
 #define LNX_DYNAMIC_SHARED(name) unsigned char* name = ::emulation::block().dynamic_shared.data()
+#define LNX_COUNT_LOAD(bytes) ::emulation::count_global_load(bytes)
+#define LNX_COUNT_STORE(bytes) ::emulation::count_global_store(bytes)
 
 namespace layernorm_ext {
 namespace cuda {

@@ -45,6 +45,50 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("last_workspace_bytes", [] { return cuda::last_workspace_bytes; },
         "bytes of the last workspace request (the backward's dweight / dbias partial buffers)");
   m.def("reset_workspace_bytes", [] { cuda::last_workspace_bytes = 0; });
+  m.def(
+      "global_traffic",
+      [] {
+        std::vector<std::tuple<unsigned, unsigned, uint64_t, uint64_t>> out;
+        for (const auto& t : emulation::traffic_log()) out.emplace_back(t.grid, t.threads, t.loaded, t.stored);
+        return out;
+      },
+      "(grid, threads, bytes loaded, bytes stored) of each launch since the last reset, in order; grid 0 is a "
+      "cudaMemsetAsync");
+  m.def("reset_global_traffic", [] { emulation::traffic_log().clear(); });
+  m.def(
+      "launch_plan",
+      [](bool rms, bool backward, at::ScalarType input_type, at::ScalarType row_type, at::ScalarType param_type,
+         int64_t rows, int64_t cols) {
+        cuda::PlanQuery q;
+        q.rms = rms;
+        q.backward = backward;
+        q.input_type = input_type;
+        q.row_type = row_type;
+        q.param_type = param_type;
+        q.rows = rows;
+        q.cols = cols;
+        q.sm_count = emulation::kSMs;
+        q.max_shared_per_block = emulation::kSharedOptin;
+        q.blocks_per_sm = emulation::kBlocksPerSM;
+        cuda::LaunchPlan plan;
+        switch (input_type) {
+          case at::kFloat: plan = cuda::plan_for_input<float>(q); break;
+          case at::kDouble: plan = cuda::plan_for_input<double>(q); break;
+          case at::kHalf: plan = cuda::plan_for_input<__half>(q); break;
+          case at::kBFloat16: plan = cuda::plan_for_input<__nv_bfloat16>(q); break;
+          default: TORCH_CHECK(false, "unsupported dtype");
+        }
+        pybind11::dict d;
+        d["kernel"] = plan.kernel;
+        d["threads"] = plan.threads;
+        d["grid"] = plan.grid;
+        d["lanes"] = plan.lanes;
+        d["rows_per_block"] = plan.rows_per_block;
+        d["packs"] = plan.packs;
+        d["staged"] = plan.staged;
+        return d;
+      },
+      "the launchers' plan on the emulated GPU (3 SMs x 2 blocks, 100 KiB of shared memory per block)");
   namespace py = pybind11;
   m.def(
       "layer_norm_fwd",
