@@ -237,6 +237,40 @@ def test_quantized_strided(layout: str, d: int, dtype: torch.dtype, quant_dtype:
     assert int(storage[..., :d].count_nonzero()) == 0
 
 
+@pytest.mark.parametrize("rms", [False, True], ids=["add_layer_norm", "add_rms_norm"])
+def test_long_rows_split_across_threads(rms: bool) -> None:
+    """Rows of 2^16 + elements split into column ranges (csrc/cpu/norm_kernel.cpp, forward_split and the split
+    backward) on strided rows: the same bits as on contiguous ones."""
+    d = 70001
+    torch.manual_seed(0)
+    x = torch.randn(2, 3 * d)[:, d : 2 * d]
+    residual = torch.randn(2, d + 3)[:, 3:]
+    weight = torch.randn(d)
+
+    def run(t: Tensor, r: Tensor) -> tuple[Tensor, ...]:
+        t, r, w = t.detach().requires_grad_(), r.detach().requires_grad_(), weight.detach().requires_grad_()
+        out, h = L.add_rms_norm(t, r, d, w, EPS) if rms else L.add_layer_norm(t, r, d, w)
+        return (out, h, *torch.autograd.grad((out, h), (t, r, w), (torch.ones_like(out), torch.ones_like(h))))
+
+    for i, (a, b) in enumerate(zip(run(x, residual), run(x.contiguous(), residual.contiguous()))):
+        _same_bits(a, b, f"result {i}")
+
+
+def test_leading_dims_beyond_two() -> None:
+    """Leading dims that do not coalesce into two: the input is copied, out= written through a temporary."""
+    d = 33
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 2, d).permute(2, 1, 0, 3)  # strides (d, 2d, 6d, 1)
+    weight = torch.randn(d)
+    storage = torch.full((4, 3, 2, d), float("nan"))
+    out = storage.permute(2, 1, 0, 3)
+    with torch.no_grad():
+        L.rms_norm(x, d, weight, out=out)
+        _same_bits(out, L.rms_norm(x.contiguous(), d, weight), "out= through a temporary")
+        _same_bits(L.rms_norm(x, d, weight), L.rms_norm(x.contiguous(), d, weight), "copied input")
+    assert not storage.isnan().any()
+
+
 # ---- no copy --------------------------------------------------------------------------------------------------
 def _copies(fn: Callable[[], object]) -> list[str]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
