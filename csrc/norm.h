@@ -41,10 +41,12 @@ NormGeometry check_backward_args(const char* op, const Tensor& grad_out, const T
 // weight_offset: finite, and nonzero only with a weight (the scale is weight + weight_offset).
 void check_weight_offset(const char* op, const OptTensor& weight, double weight_offset);
 // A caller's output buffer (out=, residual_out=, or the in-place ops' input / residual): on input's device,
-// input's shape, the given dtype, contiguous.
-void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest, ScalarType dtype);
+// input's shape, the given dtype, its last normalized_ndim dims packed and no leading dim of stride 0.
+void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest,
+                       int64_t normalized_ndim, ScalarType dtype);
+// A buffer of another shape (the per-row scales): that shape, the dtype, contiguous.
 void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest, ScalarType dtype,
-                       at::IntArrayRef shape);  // of this shape instead
+                       at::IntArrayRef shape);
 // The quantized-output ops: quant_dtype float8_e4m3fn, float8_e5m2 or int8; scale (static) and scale_ub (a cap of the
 // dynamic scale, so never with scale) float32 tensors of one element on input's device.
 // dtype_of_out: quant_dtype is an out= buffer's dtype (the *_quant_into ops), and the error says so.
@@ -146,6 +148,12 @@ std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& grad_out, const Tensor& sa
                                         c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                                         bool saved_is_output, const OptTensor& grad_residual_out,
                                         double weight_offset, BackwardLauncher launch);
+
+// For launchers whose kernels index packed rows only (the CUDA kernels, until they take row_layout.h's
+// layouts): runs launch on p with every operand whose rows are not packed copied into a contiguous tensor on
+// p's device first, and every such output written there and copied into place afterwards.
+void launch_on_packed_rows(const NormForwardParams& p, ForwardLauncher launch);
+void launch_on_packed_rows(const NormBackwardParams& p, BackwardLauncher launch);
 
 // ---- autograd (norm_autograd.cpp) ----
 // memory_efficient: whether a forward with these arguments may save its output for backward instead of its input,

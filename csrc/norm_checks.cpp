@@ -150,16 +150,40 @@ NormGeometry check_backward_args(const char* op, const Tensor& grad_out, const T
   return g;
 }
 
+namespace {
+
+void check_destination_shape(const char* op, const char* name, const Tensor& input, const Tensor& dest,
+                             ScalarType dtype, at::IntArrayRef shape) {
+  check_same_device(op, name, input, dest);
+  TORCH_CHECK(dest.scalar_type() == dtype && dest.sizes() == shape, op, ": expected ", name, " of shape ", shape,
+              " and dtype ", dtype, ", but got ", name, " of shape ", dest.sizes(), " and dtype ", dest.scalar_type());
+}
+
+}  // namespace
+
 void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest,
-                       ScalarType dtype) {
-  check_destination(op, name, input, dest, dtype, input.sizes());
+                       int64_t normalized_ndim, ScalarType dtype) {
+  check_destination_shape(op, name, input, dest, dtype, input.sizes());
+  // The kernels write each row in place (row_layout.h): its normalized dims packed, the leading dims any
+  // strides but 0 (rows written twice, as ATen refuses for any out=).
+  const at::IntArrayRef sizes = dest.sizes(), strides = dest.strides();
+  const int64_t axis = dest.dim() - normalized_ndim;
+  int64_t packed = 1;
+  for (int64_t d = dest.dim() - 1; d >= axis; --d) {
+    TORCH_CHECK(sizes[d] == 1 || strides[d] == packed, op, ": expected ", name,
+                " to be contiguous in its normalized dims (the kernels write each row in place), but got ", name,
+                " of strides ", strides);
+    packed *= sizes[d];
+  }
+  for (int64_t d = 0; d < axis; ++d) {
+    TORCH_CHECK(sizes[d] <= 1 || strides[d] != 0, op, ": unsupported operation: more than one element of ", name,
+                " refers to a single memory location (an expanded dim of stride 0). Please clone() it first.");
+  }
 }
 
 void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest, ScalarType dtype,
                        at::IntArrayRef shape) {
-  check_same_device(op, name, input, dest);
-  TORCH_CHECK(dest.scalar_type() == dtype && dest.sizes() == shape, op, ": expected ", name, " of shape ", shape,
-              " and dtype ", dtype, ", but got ", name, " of shape ", dest.sizes(), " and dtype ", dest.scalar_type());
+  check_destination_shape(op, name, input, dest, dtype, shape);
   TORCH_CHECK(dest.is_contiguous(), op, ": expected ", name, " to be contiguous (the kernels write it row by row)");
 }
 

@@ -1,5 +1,5 @@
-// Device-independent bodies of the ops: check arguments, make inputs contiguous, allocate outputs, fill a
-// parameter block, and hand it to the device's launcher. LayerNorm and RMSNorm share every line (rms flag).
+// Device-independent bodies of the ops: check arguments, find the rows' layouts (copying only what the kernels
+// cannot read in place), allocate outputs, fill a parameter block, and hand it to the device's launcher. LayerNorm and RMSNorm share every line (rms flag).
 #include "norm.h"
 #include "quant_math.h"
 
@@ -14,6 +14,63 @@ const void* ptr_or_null(const OptTensor& t) { return t.has_value() ? t->data_ptr
 OptTensor contiguous(const OptTensor& t) {
   if (!t.has_value()) return std::nullopt;
   return t->contiguous();
+}
+
+// The layout of t's rows (row_layout.h), t being [leading dims..., normalized_ndim dims of cols elements], or
+// none where the kernels cannot read it in place: normalized dims not packed, or leading dims that do not
+// coalesce into two.
+std::optional<RowLayout> row_layout(const Tensor& t, int64_t normalized_ndim, int64_t cols) {
+  const at::IntArrayRef sizes = t.sizes(), strides = t.strides();
+  const int64_t axis = t.dim() - normalized_ndim;
+  int64_t packed = 1;
+  for (int64_t d = t.dim() - 1; d >= axis; --d) {
+    if (sizes[d] != 1 && strides[d] != packed) return std::nullopt;
+    packed *= sizes[d];
+  }
+  // The leading dims of more than one element, innermost first, each merged into the one inside it where
+  // they step evenly (dims of one element and a contiguous tensor's leading dims vanish).
+  int64_t kept_sizes[2], kept_strides[2];
+  int kept = 0;
+  for (int64_t d = axis - 1; d >= 0; --d) {
+    if (sizes[d] == 1) continue;
+    if (kept > 0 && strides[d] == kept_strides[kept - 1] * kept_sizes[kept - 1]) {
+      kept_sizes[kept - 1] *= sizes[d];
+      continue;
+    }
+    if (kept == 2) return std::nullopt;
+    kept_sizes[kept] = sizes[d];
+    kept_strides[kept] = strides[d];
+    ++kept;
+  }
+  if (kept == 0) return RowLayout::packed(cols);
+  if (kept == 1) return RowLayout{1, 0, kept_strides[0]};
+  return RowLayout{kept_sizes[0], kept_strides[0], kept_strides[1]};
+}
+
+// An operand's rows for the kernels: the tensor itself where its layout allows, else a contiguous copy.
+struct ReadRows {
+  Tensor rows;
+  RowLayout layout;
+};
+
+ReadRows read_rows(const Tensor& t, int64_t normalized_ndim, int64_t cols) {
+  if (const std::optional<RowLayout> layout = row_layout(t, normalized_ndim, cols)) return {t, *layout};
+  return {t.contiguous(), RowLayout::packed(cols)};
+}
+
+// A caller's buffer the kernels write (out=, residual_out=, the in-place ops' input and residual): in place
+// where its layout allows, else into a contiguous temporary copied into it afterwards (copy_back).
+struct WrittenRows {
+  Tensor target, rows;
+  RowLayout layout;
+  void copy_back() const {
+    if (!rows.is_same(target)) target.copy_(rows);
+  }
+};
+
+WrittenRows written_rows(const Tensor& t, int64_t normalized_ndim, int64_t cols) {
+  if (const std::optional<RowLayout> layout = row_layout(t, normalized_ndim, cols)) return {t, t, *layout};
+  return {t, at::empty(t.sizes(), t.options()), RowLayout::packed(cols)};
 }
 
 // The parameters' dtype the kernels take for rows of input_type: the input's own, or float32 for float16 /
@@ -75,6 +132,7 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   const NormGeometry g =
       check_forward_args(op, input_arg, normalized_shape, weight_arg, bias_arg, residual_arg, rms);
   check_weight_offset(op, weight_arg, weight_offset);
+  const int64_t normalized_ndim = static_cast<int64_t>(normalized_shape.size());
   const ScalarType h_type = residual_arg.has_value() ? residual_out_dtype(input_arg, *residual_arg, residual_in_fp32)
                                                      : input_arg.scalar_type();
   const ScalarType acc = acc_type_for(h_type);
@@ -91,13 +149,15 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   }
   if (given) {
     const char* out_name = dest.in_place ? "input" : "out";
-    check_destination(op, out_name, input_arg, *dest.out, quant != nullptr ? quant->dtype : input_arg.scalar_type());
+    check_destination(op, out_name, input_arg, *dest.out, normalized_ndim,
+                      quant != nullptr ? quant->dtype : input_arg.scalar_type());
     if (quant != nullptr) check_scales_buffer(op, input_arg, quant->scale.has_value(), quant->scales_out, scale_shape);
     TORCH_CHECK(residual_arg.has_value() == dest.residual_out.has_value(), op,
                 residual_arg.has_value() ? ": a residual needs a residual_out buffer (h = input + residual)"
                                          : ": residual_out is given without a residual");
     if (residual_arg.has_value()) {
-      check_destination(op, dest.in_place ? "residual" : "residual_out", input_arg, *dest.residual_out, h_type);
+      check_destination(op, dest.in_place ? "residual" : "residual_out", input_arg, *dest.residual_out,
+                        normalized_ndim, h_type);
     }
     if (dest.in_place) {
       // input and residual are both written (out and h): no element may be both, nor a parameter that the
@@ -136,10 +196,21 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
       }
     }
   }
-  const Tensor input = input_arg.contiguous();
+  const ReadRows input_rows = read_rows(input_arg, normalized_ndim, g.cols);
+  const Tensor& input = input_rows.rows;
   const OptTensor weight = as_kernel_param(weight_arg, input.scalar_type());
   const OptTensor bias = as_kernel_param(bias_arg, input.scalar_type());
-  const OptTensor residual = contiguous(residual_arg);
+  const std::optional<ReadRows> residual_rows =
+      residual_arg.has_value() ? std::optional<ReadRows>(read_rows(*residual_arg, normalized_ndim, g.cols))
+                               : std::nullopt;
+  const OptTensor residual = residual_rows.has_value() ? OptTensor(residual_rows->rows) : std::nullopt;
+  // The caller's buffers, written in place where their layouts allow; new outputs are contiguous, as ATen's.
+  const std::optional<WrittenRows> out_rows =
+      given ? std::optional<WrittenRows>(written_rows(*dest.out, normalized_ndim, g.cols)) : std::nullopt;
+  const std::optional<WrittenRows> residual_out_rows =
+      given && residual_arg.has_value()
+          ? std::optional<WrittenRows>(written_rows(*dest.residual_out, normalized_ndim, g.cols))
+          : std::nullopt;
 
   ForwardResult r;
   const bool dynamic_scale = quant != nullptr && !quant->scale.has_value();
@@ -185,8 +256,14 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   p.residual = ptr_or_null(residual);
   p.weight = ptr_or_null(weight);
   p.bias = ptr_or_null(bias);
-  p.out = r.out.data_ptr();
-  p.residual_out = residual.has_value() ? r.residual_out.data_ptr() : nullptr;
+  p.out = out_rows.has_value() ? out_rows->rows.data_ptr() : r.out.data_ptr();
+  p.residual_out = !residual.has_value()          ? nullptr
+                   : residual_out_rows.has_value() ? residual_out_rows->rows.data_ptr()
+                                                   : r.residual_out.data_ptr();
+  p.input_rows = input_rows.layout;
+  p.residual_rows = residual_rows.has_value() ? residual_rows->layout : RowLayout::packed(g.cols);
+  p.out_rows = out_rows.has_value() ? out_rows->layout : RowLayout::packed(g.cols);
+  p.residual_out_rows = residual_out_rows.has_value() ? residual_out_rows->layout : RowLayout::packed(g.cols);
   p.mean = r.mean.defined() ? r.mean.data_ptr() : nullptr;
   p.rstd = r.rstd.defined() ? r.rstd.data_ptr() : nullptr;
   p.device = input.device().index();
@@ -203,14 +280,16 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   p.weight_offset = weight_offset;
   p.cast_before_weight = cast_before_weight;
   if (quant != nullptr) {
+    p.codes = p.out;
     p.out = nullptr;
-    p.codes = r.out.data_ptr();
     p.quant_type = quant->dtype;
     p.scale = scale.has_value() ? scale->data_ptr<float>() : nullptr;
     p.scale_ub = scale_ub.has_value() ? scale_ub->data_ptr<float>() : nullptr;
     p.row_scales = dynamic_scale ? r.scales.data_ptr<float>() : nullptr;
   }
   launch(p);
+  if (out_rows.has_value()) out_rows->copy_back();
+  if (residual_out_rows.has_value()) residual_out_rows->copy_back();
   return r;
 }
 
@@ -241,19 +320,26 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
   // statistics widened exactly (O(rows * cols), for this pairing only), and grad_input is rounded back.
   auto is_double = [](const OptTensor& t) { return t.has_value() && t->scalar_type() == ScalarType::Double; };
   const bool widen = grad_out_arg.scalar_type() != ScalarType::Double && (is_double(weight_arg) || is_double(bias_arg));
-  auto rows_for_kernels = [widen](const Tensor& t) { return (widen ? t.to(ScalarType::Double) : t).contiguous(); };
-  const Tensor grad_out = rows_for_kernels(grad_out_arg);
-  const Tensor saved = rows_for_kernels(saved_arg);
-  const OptTensor mean = mean_arg.has_value() ? OptTensor(rows_for_kernels(*mean_arg)) : std::nullopt;
-  const Tensor rstd = rows_for_kernels(rstd_arg);
+  const int64_t normalized_ndim = static_cast<int64_t>(normalized_shape.size());
+  auto widened = [widen](const Tensor& t) { return widen ? t.to(ScalarType::Double) : t; };
+  auto statistics = [&](const Tensor& t) { return widened(t).contiguous(); };
+  const ReadRows grad_out_rows = read_rows(widened(grad_out_arg), normalized_ndim, g.cols);
+  const ReadRows saved_rows = read_rows(widened(saved_arg), normalized_ndim, g.cols);
+  const Tensor& grad_out = grad_out_rows.rows;
+  const Tensor& saved = saved_rows.rows;
+  const OptTensor mean = mean_arg.has_value() ? OptTensor(statistics(*mean_arg)) : std::nullopt;
+  const Tensor rstd = statistics(rstd_arg);
   // The kernels' parameter dtype (grad_out has the forward input's); the gradients go back in each parameter's.
   const OptTensor weight = as_kernel_param(weight_arg, grad_out.scalar_type());
   const OptTensor bias = as_kernel_param(bias_arg, grad_out.scalar_type());
   // The kernels read grad_residual_out as the saved rows' dtype (autograd passes exactly that).
-  const OptTensor grad_residual_out =
+  const std::optional<ReadRows> grad_residual_rows =
       grad_residual_out_arg.has_value()
-          ? OptTensor(grad_residual_out_arg->to(saved.scalar_type()).contiguous())
+          ? std::optional<ReadRows>(
+                read_rows(grad_residual_out_arg->to(saved.scalar_type()), normalized_ndim, g.cols))
           : std::nullopt;
+  const OptTensor grad_residual_out =
+      grad_residual_rows.has_value() ? OptTensor(grad_residual_rows->rows) : std::nullopt;
 
   BackwardResult r;
   r.grad_input = at::empty(saved.sizes(), saved.options());
@@ -294,11 +380,83 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
   p.rms = rms;
   p.saved_is_output = saved_is_output;
   p.weight_offset = weight_offset;
+  p.grad_out_rows = grad_out_rows.layout;
+  p.saved_rows = saved_rows.layout;
+  p.grad_residual_rows = grad_residual_rows.has_value() ? grad_residual_rows->layout : RowLayout::packed(g.cols);
   launch(p);
   return in_arg_dtypes(std::move(r), saved_arg, weight_arg, bias_arg);
 }
 
 }  // namespace
+
+namespace {
+
+// The operands of one launch whose rows are not packed, swapped for contiguous tensors (launch_on_packed_rows).
+class PackedRows {
+ public:
+  PackedRows(int device, int64_t rows, int64_t cols)
+      : device_(device < 0 ? at::Device(at::kCPU) : at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))),
+        rows_(rows),
+        cols_(cols) {}
+
+  // An operand the kernels read: a contiguous copy.
+  void read(const void*& rows, RowLayout& layout, ScalarType dtype) {
+    if (rows == nullptr || layout.is_packed(cols_)) return;
+    copies_.push_back(view(rows, layout, dtype).contiguous());
+    rows = copies_.back().data_ptr();
+    layout = RowLayout::packed(cols_);
+  }
+  // An operand the kernels write: a contiguous tensor, copied into place by write_back().
+  void write(void*& rows, RowLayout& layout, ScalarType dtype) {
+    if (rows == nullptr || layout.is_packed(cols_)) return;
+    Tensor target = view(rows, layout, dtype);
+    copies_.push_back(at::empty(target.sizes(), target.options()));
+    rows = copies_.back().data_ptr();
+    layout = RowLayout::packed(cols_);
+    write_backs_.emplace_back(std::move(target), copies_.back());
+  }
+  void write_back() {
+    for (auto& [target, rows] : write_backs_) target.copy_(rows);
+  }
+
+ private:
+  Tensor view(const void* rows, const RowLayout& layout, ScalarType dtype) const {
+    return at::from_blob(const_cast<void*>(rows), {rows_ / layout.inner, layout.inner, cols_},
+                         {layout.outer_stride, layout.inner_stride, 1}, at::TensorOptions().dtype(dtype).device(device_));
+  }
+
+  at::Device device_;
+  int64_t rows_, cols_;
+  std::vector<Tensor> copies_;
+  std::vector<std::pair<Tensor, Tensor>> write_backs_;
+};
+
+}  // namespace
+
+void launch_on_packed_rows(const NormForwardParams& p, ForwardLauncher launch) {
+  NormForwardParams packed = p;
+  PackedRows rows(p.device, p.rows, p.cols);
+  rows.read(packed.input, packed.input_rows, p.input_type);
+  rows.read(packed.residual, packed.residual_rows, p.residual_type);
+  // out_rows is the codes' layout with a quantized output (bytes: only copied).
+  if (p.codes != nullptr) {
+    rows.write(packed.codes, packed.out_rows, ScalarType::Byte);
+  } else {
+    rows.write(packed.out, packed.out_rows, p.input_type);
+  }
+  rows.write(packed.residual_out, packed.residual_out_rows, p.h_type);
+  launch(packed);
+  rows.write_back();
+}
+
+void launch_on_packed_rows(const NormBackwardParams& p, BackwardLauncher launch) {
+  NormBackwardParams packed = p;
+  PackedRows rows(p.device, p.rows, p.cols);
+  rows.read(packed.grad_out, packed.grad_out_rows, p.out_type);
+  rows.read(packed.saved, packed.saved_rows, p.saved_type);
+  rows.read(packed.grad_residual_out, packed.grad_residual_rows, p.saved_type);
+  launch(packed);
+}
 
 OutputsUnread::OutputsUnread(bool statistics) : previous_(outputs_unread) {
   outputs_unread = kPlaceholdersUnread | (statistics ? kStatisticsUnread : 0);

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "quant_math.h"
+#include "row_layout.h"
 
 namespace layernorm_ext {
 
@@ -19,8 +20,10 @@ inline quant::Code quant_code(ScalarType quant_type) {
   return quant_type == ScalarType::Float8_e5m2 ? quant::Code::kE5m2 : quant::Code::kE4m3fn;
 }
 
-// One forward call: rows x cols, row-major, every pointer contiguous. h = input (+ residual) is the row that
-// gets normalized; with a residual it is written to residual_out in h_type. mean is unused for RMSNorm.
+// One forward call: rows x cols. input, residual, out (or codes) and residual_out each have their rows' layout
+// (row_layout.h: every row's cols elements consecutive, the rows anywhere); the statistics and row_scales are
+// contiguous. h = input (+ residual) is the row that gets normalized; with a residual it is written to
+// residual_out in h_type. mean is unused for RMSNorm.
 struct NormForwardParams {
   const void* input = nullptr;
   const void* residual = nullptr;  // nullptr: no fused residual add
@@ -55,10 +58,12 @@ struct NormForwardParams {
   const float* scale = nullptr;
   const float* scale_ub = nullptr;
   float* row_scales = nullptr;
+  RowLayout input_rows, residual_rows, out_rows, residual_out_rows;  // out_rows: out's, or codes'
 };
 
 // One backward call. saved is h (saved_is_output = false) or the forward's out (true, the memory-efficient
-// mode, which recovers xhat = (out - bias) / weight). grad_input has saved_type.
+// mode, which recovers xhat = (out - bias) / weight). grad_input has saved_type and is contiguous; grad_out,
+// saved and grad_residual_out have their rows' layouts (row_layout.h).
 struct NormBackwardParams {
   const void* grad_out = nullptr;           // out_type
   const void* grad_residual_out = nullptr;  // saved_type (converted by the op body), added to grad_input
@@ -80,6 +85,7 @@ struct NormBackwardParams {
   bool rms = false;
   bool saved_is_output = false;
   double weight_offset = 0.0;  // the forward's: the scale is weight + weight_offset (its gradient, dweight's)
+  RowLayout grad_out_rows, saved_rows, grad_residual_rows;
 };
 
 }  // namespace layernorm_ext

@@ -138,16 +138,42 @@ def check_quant(
                       f"{_name(t.dtype)} and shape {_sizes(t.shape)}")
 
 
-def check_destination(
-    op: str, name: str, input: Tensor, dest: Tensor, dtype: torch.dtype, shape: Sequence[object] | None = None
+def _check_destination_shape(
+    op: str, name: str, input: Tensor, dest: Tensor, dtype: torch.dtype, shape: Sequence[object]
 ) -> None:
-    """check_destination (of input's shape, or of ``shape``). (check_no_overlap is not mirrored: fake tensors
-    have no memory to compare; a traced program whose buffers overlap fails when it runs.)"""
     _check_same_device(op, name, input, dest)
-    want = list(input.shape) if shape is None else list(shape)
+    want = list(shape)
     if dest.dtype != dtype or list(dest.shape) != want:
         _fail(op, f"expected {name} of shape {_sizes(want)} and dtype {_name(dtype)}, but got {name} of shape "
                   f"{_sizes(dest.shape)} and dtype {_name(dest.dtype)}")
+
+
+def check_destination(
+    op: str, name: str, input: Tensor, dest: Tensor, normalized_ndim: int, dtype: torch.dtype
+) -> None:
+    """check_destination of a buffer of rows: input's shape, the normalized dims packed, no leading dim of
+    stride 0. (check_no_overlap is not mirrored: fake tensors have no memory to compare; a traced program whose
+    buffers overlap fails when it runs.)"""
+    _check_destination_shape(op, name, input, dest, dtype, input.shape)
+    sizes, strides = dest.shape, dest.stride()
+    axis = dest.dim() - normalized_ndim
+    packed = 1
+    for d in range(dest.dim() - 1, axis - 1, -1):
+        if sizes[d] != 1 and strides[d] != packed:
+            _fail(op, f"expected {name} to be contiguous in its normalized dims (the kernels write each row in "
+                      f"place), but got {name} of strides {_sizes(strides)}")
+        packed *= sizes[d]
+    for d in range(axis):
+        if sizes[d] > 1 and strides[d] == 0:
+            _fail(op, f"unsupported operation: more than one element of {name} refers to a single memory location "
+                      "(an expanded dim of stride 0). Please clone() it first.")
+
+
+def check_shaped_destination(
+    op: str, name: str, input: Tensor, dest: Tensor, dtype: torch.dtype, shape: Sequence[object]
+) -> None:
+    """check_destination of a buffer of another shape (the per-row scales): contiguous."""
+    _check_destination_shape(op, name, input, dest, dtype, shape)
     if not dest.is_contiguous():
         _fail(op, f"expected {name} to be contiguous (the kernels write it row by row)")
 
@@ -163,20 +189,21 @@ def check_scales_buffer(
     if scales is None:
         _fail(op, "a dynamic scale (no scale=) needs a scales= buffer for the per-row scales of shape "
                   f"{_sizes(scale_shape)}")
-    check_destination(op, "scales", input, scales, torch.float32, scale_shape)
+    check_shaped_destination(op, "scales", input, scales, torch.float32, scale_shape)
 
 
 def check_destinations(
-    op: str, input: Tensor, out: Tensor, residual: Tensor | None, residual_out: Tensor | None, h_dtype: torch.dtype,
-    in_place: bool,
+    op: str, input: Tensor, normalized_ndim: int, out: Tensor, residual: Tensor | None, residual_out: Tensor | None,
+    h_dtype: torch.dtype, in_place: bool,
 ) -> None:
     """The destination checks of norm_forward (csrc/norm_ops.cpp) for the inference ops."""
-    check_destination(op, "input" if in_place else "out", input, out, input.dtype)
+    check_destination(op, "input" if in_place else "out", input, out, normalized_ndim, input.dtype)
     if (residual is None) != (residual_out is None):
         _fail(op, "a residual needs a residual_out buffer (h = input + residual)" if residual is not None
                   else "residual_out is given without a residual")  # fmt: skip
     if residual_out is not None:
-        check_destination(op, "residual" if in_place else "residual_out", input, residual_out, h_dtype)
+        check_destination(op, "residual" if in_place else "residual_out", input, residual_out, normalized_ndim,
+                          h_dtype)
 
 
 def check_backward(

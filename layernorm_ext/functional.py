@@ -12,6 +12,7 @@ to ``handle_torch_function`` first.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -271,9 +272,36 @@ def add_rms_norm_(
     return input, residual
 
 
+def _channels_last(input: Tensor, op: str) -> tuple[Tensor, list[int]]:
+    """input (N, C, *spatial) as (N, *spatial, C), and the permutation back."""
+    if input.dim() < 2:
+        raise RuntimeError(f"{op}: expected input of shape (N, C, *spatial), but got input of size {list(input.shape)}")
+    ndim = input.dim()
+    return input.permute(0, *range(2, ndim), 1), [0, ndim - 1, *range(1, ndim - 1)]
+
+
+def layer_norm_2d(
+    input: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-6, **kwargs: Any
+) -> Tensor:
+    """LayerNorm over the channel dim of (N, C, *spatial) input (timm's ``LayerNorm2d``: ConvNeXt, SAM's image
+    encoder): each pixel's C channels are a row. A channels_last input's rows are packed and are read in place;
+    a contiguous NCHW input's channels are H * W apart, so the op copies it once first. The result is (N, C,
+    *spatial) in channels_last memory format, as timm's ``permute``, ``layer_norm``, ``permute`` gives. Keyword
+    arguments as :func:`layer_norm`'s."""
+    rows, back = _channels_last(input, "layer_norm_2d")
+    return layer_norm(rows, input.shape[1], weight, bias, eps, **kwargs).permute(back)
+
+
+def rms_norm_2d(input: Tensor, weight: Tensor | None = None, eps: float | None = None, **kwargs: Any) -> Tensor:
+    """RMSNorm over the channel dim of (N, C, *spatial) input, as :func:`layer_norm_2d` (timm's ``RmsNorm2d``)."""
+    rows, back = _channels_last(input, "rms_norm_2d")
+    return rms_norm(rows, input.shape[1], weight, eps, **kwargs).permute(back)
+
+
 _OUT_DOC = """
-    ``out=`` (and, with a residual, ``residual_out=``, h's dtype): write into these contiguous buffers, which
-    must not share memory with the arguments; no statistics are computed into memory. Like ATen's out= ops,
+    ``out=`` (and, with a residual, ``residual_out=``, h's dtype): write into these buffers (each row's elements
+    consecutive, the rows anywhere but never twice: no stride-0 dim), which must not share memory with the
+    arguments; no statistics are computed into memory. Like ATen's out= ops,
     this refuses arguments that require grad.
 """
 

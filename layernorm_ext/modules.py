@@ -1,4 +1,5 @@
-"""Modules: drop-ins for torch.nn.LayerNorm and torch.nn.RMSNorm.
+"""Modules: drop-ins for torch.nn.LayerNorm and torch.nn.RMSNorm, and for timm's channels-first LayerNorm2d and
+RmsNorm2d (FusedLayerNorm2d, FusedRMSNorm2d: the same parameters, over dim 1 of (N, C, *spatial) input).
 
 They subclass the torch modules, so constructor arguments, attributes, parameter names, initialization,
 ``extra_repr``, state_dict and ``isinstance`` checks are exactly torch's; only ``forward`` runs our kernels
@@ -136,3 +137,26 @@ class FusedRMSNorm(_Numerics, torch.nn.RMSNorm):
             weight_offset=self.weight_offset,
             cast_before_weight=self.cast_before_weight,
         )
+
+
+class FusedLayerNorm2d(FusedLayerNorm):
+    """timm's ``LayerNorm2d`` (ConvNeXt, SAM): LayerNorm over the channels of (N, C, *spatial) input, with its
+    arguments and state_dict (``weight``, ``bias`` of shape (C,)). See :func:`layer_norm_2d` for the layouts."""
+
+    def __init__(self, num_channels: int, eps: float = 1e-6, affine: bool = True, **kwargs: Any) -> None:
+        super().__init__(num_channels, eps=eps, elementwise_affine=affine, **kwargs)
+
+    def forward(self, input: Tensor) -> Tensor:  # type: ignore[override]  (no residual)
+        return F.layer_norm_2d(input, self.weight, self.bias, self.eps, memory_efficient=self.memory_efficient,
+                               weight_offset=self.weight_offset, cast_before_weight=self.cast_before_weight)  # fmt: skip
+
+
+class FusedRMSNorm2d(FusedRMSNorm):
+    """timm's ``RmsNorm2d``: RMSNorm over the channels of (N, C, *spatial) input (``weight`` of shape (C,))."""
+
+    def __init__(self, num_channels: int, eps: float = 1e-6, affine: bool = True, **kwargs: Any) -> None:
+        super().__init__(num_channels, eps=eps, elementwise_affine=affine, **kwargs)
+
+    def forward(self, input: Tensor) -> Tensor:  # type: ignore[override]  (no residual)
+        return F.rms_norm_2d(input, self.weight, self.eps, memory_efficient=self.memory_efficient,
+                             weight_offset=self.weight_offset, cast_before_weight=self.cast_before_weight)  # fmt: skip

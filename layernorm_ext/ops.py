@@ -153,7 +153,7 @@ def _fake_into(
     _checks.check_forward(op, input, normalized_shape, weight, bias, residual, rms=_is_rms(op))
     _checks.check_weight_offset(op, weight, weight_offset)
     h_dtype = input.dtype if residual is None else residual_out_dtype(input, residual, residual_in_fp32)
-    _checks.check_destinations(op, input, out, residual, residual_out, h_dtype, in_place)
+    _checks.check_destinations(op, input, len(normalized_shape), out, residual, residual_out, h_dtype, in_place)
 
 
 @torch.library.register_fake("layernorm_ext::layer_norm_into")
@@ -248,14 +248,14 @@ def _fake_quant_into(
     stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual, rms=_is_rms(op))
     _checks.check_weight_offset(op, weight, weight_offset)
     _checks.check_quant(op, input, out.dtype, scale, scale_ub, dtype_of_out=True)
-    _checks.check_destination(op, "out", input, out, out.dtype)
+    _checks.check_destination(op, "out", input, out, len(normalized_shape), out.dtype)
     _checks.check_scales_buffer(op, input, scale is not None, scales, (*stat_shape, *([1] * len(normalized_shape))))
     h_dtype = input.dtype if residual is None else residual_out_dtype(input, residual, residual_in_fp32)
     if (residual is None) != (residual_out is None):
         _checks._fail(op, "a residual needs a residual_out buffer (h = input + residual)" if residual is not None
                       else "residual_out is given without a residual")  # fmt: skip
     if residual_out is not None:
-        _checks.check_destination(op, "residual_out", input, residual_out, h_dtype)
+        _checks.check_destination(op, "residual_out", input, residual_out, len(normalized_shape), h_dtype)
 
 
 @torch.library.register_fake("layernorm_ext::layer_norm_quant_into")

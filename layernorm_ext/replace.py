@@ -6,7 +6,9 @@ What is replaced:
 - other norm modules recognised by duck typing, with no dependency on any model library: a ``weight``
   Parameter and an ``eps`` or ``variance_epsilon`` attribute (Hugging Face's LlamaRMSNorm, MistralRMSNorm,
   T5LayerNorm, GemmaRMSNorm, Apex's FusedRMSNorm / FusedLayerNorm, ...), with a ``bias`` Parameter for
-  LayerNorm. Their forward is unknown, so candidates with each numerics option are checked: the module and
+  LayerNorm; a class named ``*Norm2d`` (timm's LayerNorm2d / RmsNorm2d, ConvNeXt's, SAM's) is taken to
+  normalize over dim 1 of (N, C, *spatial) input, candidates FusedLayerNorm2d / FusedRMSNorm2d, probed on such
+  input. Their forward is unknown, so candidates with each numerics option are checked: the module and
   each candidate run on the same probe rows (in the module's own dtype and device, without grad); the candidate
   closest to the module's output is taken if it agrees in dtype, shape and values (ATen's order, Llama's cast
   before the weight multiply, Gemma's ``1 + weight``: ``weight_offset``, ``cast_before_weight``); otherwise the
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .modules import FusedLayerNorm, FusedRMSNorm
+from .modules import FusedLayerNorm, FusedLayerNorm2d, FusedRMSNorm, FusedRMSNorm2d
 
 # A pattern (fnmatch, on the module's qualified name, e.g. "layers.*.input_layernorm") or a module class.
 Selector = str | type[nn.Module]
@@ -106,12 +108,24 @@ def _candidate(module: nn.Module, numerics: tuple[float, bool] = (0.0, False)) -
     if len(list(module.parameters(recurse=True))) != (1 if bias is None else 2) or len(list(module.buffers())):
         return None, "it holds parameters or buffers besides weight and bias"
     offset, cast = numerics
+    if _channels_first(module):
+        if weight.dim() != 1:
+            return None, f"a channels-first norm with a weight of shape {tuple(weight.shape)}"
+        options = {"device": "meta", "weight_offset": offset, "cast_before_weight": cast}
+        if bias is None:
+            return _adopt(FusedRMSNorm2d(weight.shape[0], eps, **options), module), ""
+        return _adopt(FusedLayerNorm2d(weight.shape[0], 1e-6 if eps is None else eps, **options), module), ""
     if bias is None:
         new = FusedRMSNorm(tuple(weight.shape), eps, device="meta", weight_offset=offset, cast_before_weight=cast)
     else:
         new = FusedLayerNorm(tuple(weight.shape), 1e-5 if eps is None else eps, bias=True, device="meta",
                              weight_offset=offset, cast_before_weight=cast)  # fmt: skip
     return _adopt(new, module), ""
+
+
+def _channels_first(module: nn.Module) -> bool:
+    """A norm over dim 1 of (N, C, *spatial) input, by its class's name (timm's LayerNorm2d, RmsNorm2d)."""
+    return type(module).__name__.lower().endswith("norm2d")
 
 
 def _adopt(new: nn.Module, old: nn.Module) -> nn.Module:
@@ -148,7 +162,8 @@ def _probe(old: nn.Module, numerics: tuple[float, bool]) -> tuple[float, str]:
     old, new = _probe_copies(old, numerics)
     gen = torch.Generator().manual_seed(0)
     dtype = weight.dtype
-    x = (torch.randn((_PROBE_ROWS, *weight.shape), generator=gen) * 2 + 0.5).to(weight.device, dtype)
+    shape = (_PROBE_ROWS, weight.shape[0], 2, 3) if _channels_first(old) else (_PROBE_ROWS, *weight.shape)
+    x = (torch.randn(shape, generator=gen) * 2 + 0.5).to(weight.device, dtype)
     try:
         with torch.no_grad():
             want, got = old(x), new(x)

@@ -277,11 +277,13 @@ void forward_split(const NormForwardParams& p, const RowKernels& k, const Forwar
   const SegmentNormalizeFn normalize_fn = k.segment_normalize(src_dtype, to_dtype(p.input_type));
   TORCH_CHECK(sums_fn != nullptr && normalize_fn != nullptr, "layernorm_ext: no CPU kernel for split rows");
   const void* src = p.residual != nullptr ? p.residual_out : p.input;
+  const RowLayout& src_rows = p.residual != nullptr ? p.residual_out_rows : p.input_rows;
   for (int64_t row = 0; row < p.rows; ++row) {
-    const int64_t offset = row * cols;
+    const int64_t offset = src_rows.offset(row);
     if (p.residual != nullptr) {
+      const int64_t input_offset = p.input_rows.offset(row), residual_offset = p.residual_rows.offset(row);
       for_each_range(cols, [&](int64_t, int64_t c0, int64_t c1) {
-        a.add_row(p.input, p.residual, p.residual_out, offset + c0, c1 - c0);
+        a.add_row(p.input, input_offset + c0, p.residual, residual_offset + c0, p.residual_out, offset + c0, c1 - c0);
       });
     }
     auto sums_about = [&](double center) {
@@ -343,6 +345,10 @@ void forward_with(const NormForwardParams& p, const RowKernels& k) {
   a.scale_ub = p.scale_ub;
   a.row_scales = p.row_scales;
   a.row_buffer = nullptr;
+  a.input_rows = p.input_rows;
+  a.residual_rows = p.residual_rows;
+  a.residual_out_rows = p.residual_out_rows;
+  a.out_rows = p.out_rows;
   if (p.codes == nullptr && split_rows(p.rows, p.cols)) {
     forward_split<C>(p, k, a, src);
     return;
@@ -517,6 +523,9 @@ void backward(const NormBackwardParams& p) {
     a.bias = param_as(p.bias, p.weight_type, p.cols, bias_scratch);
   }
   a.grad_input = p.grad_input;
+  a.grad_out_rows = p.grad_out_rows;
+  a.saved_rows = p.saved_rows;
+  a.grad_residual_rows = p.grad_residual_rows;
   a.cols = p.cols;
   a.rms = p.rms;
   a.saved_is_output = p.saved_is_output;

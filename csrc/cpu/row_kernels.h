@@ -7,19 +7,23 @@
 
 #include <cstdint>
 
+#include "../row_layout.h"
+
 namespace layernorm_ext {
 namespace cpu {
 
 enum class Dtype : int { f32 = 0, f64 = 1, bf16 = 2, f16 = 3 };
 constexpr int kNumDtypes = 4;
 
-// h = x + r, rounded to h's dtype, over elements [offset, offset + n).
-using AddRowFn = void (*)(const void* x, const void* r, void* h, int64_t offset, int64_t n);
+// h = x + r, rounded to h's dtype, over n elements from each one's offset (elements from its pointer).
+using AddRowFn = void (*)(const void* x, int64_t x_offset, const void* r, int64_t r_offset, void* h,
+                          int64_t h_offset, int64_t n);
 
 // Forward over rows [begin, end). Row r reads src = input (or, with a residual, h written by add_row first),
 // writes out, and the statistics. weight/bias: nullptr or cols values of the compute type (float, or double
 // when the rows are float64), weight_offset already added. cast_before_weight: xhat is rounded to out's dtype
-// before the affine (NormForwardParams).
+// before the affine (NormForwardParams). Each row array has its layout (row_layout.h); out_rows is codes' with a
+// quantized output.
 struct ForwardRows {
   const void* input;
   const void* residual;  // nullptr: no fused residual
@@ -43,6 +47,7 @@ struct ForwardRows {
   const float* scale_ub;  // nullptr: no cap
   float* row_scales;
   void* row_buffer;
+  RowLayout input_rows, residual_rows, residual_out_rows, out_rows;
 };
 using ForwardRowsFn = void (*)(const ForwardRows& a, int64_t begin, int64_t end);
 
@@ -66,7 +71,8 @@ struct BackwardRows {
   const double* bias;
   const float* weight_f;  // when the math is float
   const float* bias_f;
-  void* grad_input;  // saved's dtype
+  void* grad_input;  // saved's dtype, contiguous
+  RowLayout grad_out_rows, saved_rows, grad_residual_rows;
   int64_t cols;
   bool rms;
   bool saved_is_output;

@@ -42,10 +42,11 @@ struct BackwardRow {
   BackwardRow(const BackwardRows& a, int64_t row, const C* weight_c, const C* bias_c)
       : weight(weight_c),
         bias(bias_c),
-        saved(static_cast<const S*>(a.saved) + row * a.cols),
-        dy(static_cast<const G*>(a.grad_out) + row * a.cols),
-        grad_residual(a.grad_residual_out != nullptr ? static_cast<const S*>(a.grad_residual_out) + row * a.cols
-                                                     : nullptr),
+        saved(static_cast<const S*>(a.saved) + a.saved_rows.offset(row)),
+        dy(static_cast<const G*>(a.grad_out) + a.grad_out_rows.offset(row)),
+        grad_residual(a.grad_residual_out != nullptr
+                          ? static_cast<const S*>(a.grad_residual_out) + a.grad_residual_rows.offset(row)
+                          : nullptr),
         dx(static_cast<S*>(a.grad_input) + row * a.cols),
         rstd(stat(a.rstd, a.stats_double, row)),
         center(a.rms || a.saved_is_output ? 0.0 : stat(a.mean, a.stats_double, row)),

@@ -11,12 +11,13 @@ namespace {
 
 // ---- h = x + r ----------------------------------------------------------------------------------------------
 template <class X, class R, class H>
-void add_row(const void* x_ptr, const void* r_ptr, void* h_ptr, int64_t offset, int64_t n) {
+void add_row(const void* x_ptr, int64_t x_offset, const void* r_ptr, int64_t r_offset, void* h_ptr, int64_t h_offset,
+             int64_t n) {
   using C = ComputeOf<H>;
   constexpr int64_t L = kLanes<C>;
-  const X* x = static_cast<const X*>(x_ptr) + offset;
-  const R* r = static_cast<const R*>(r_ptr) + offset;
-  H* h = static_cast<H*>(h_ptr) + offset;
+  const X* x = static_cast<const X*>(x_ptr) + x_offset;
+  const R* r = static_cast<const R*>(r_ptr) + r_offset;
+  H* h = static_cast<H*>(h_ptr) + h_offset;
   for (int64_t j = 0; j < n; j += L) {
     const int64_t count = min64(L, n - j);
     store_at<C>(h, j, count, load_at<C>(x, j, count) + load_at<C>(r, j, count));
@@ -169,7 +170,7 @@ inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64
     a.row_scales[row] = scale;
   }
   const quant::Scaling scaling = quant::scaling(scale, a.scale != nullptr, a.quant_code);
-  uint8_t* codes = static_cast<uint8_t*>(a.codes) + row * n;
+  uint8_t* codes = static_cast<uint8_t*>(a.codes) + a.out_rows.offset(row);
   const FloatVec factor = broadcast<float>(scaling.factor);
   auto encode_all = [&](auto divide_tag) {  // quant::scaled on every lane, the branch out of the loop
     auto encode = [&](int64_t j, int64_t count) {
@@ -210,17 +211,19 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
   const double eps = a.eps;
   C* mean_out = static_cast<C*>(a.mean);
   C* rstd_out = static_cast<C*>(a.rstd);
+  const RowLayout input_rows = a.input_rows, residual_rows = a.residual_rows;
+  const RowLayout residual_out_rows = a.residual_out_rows, out_rows = a.out_rows;
   for (int64_t row = begin; row < end; ++row) {
-    const int64_t offset = row * n;
     const S* src;
     if (a.residual != nullptr) {
-      a.add_row(a.input, a.residual, a.residual_out, offset, n);
-      src = static_cast<const S*>(a.residual_out) + offset;
+      const int64_t h_offset = residual_out_rows.offset(row);
+      a.add_row(a.input, input_rows.offset(row), a.residual, residual_rows.offset(row), a.residual_out, h_offset, n);
+      src = static_cast<const S*>(a.residual_out) + h_offset;
     } else {
-      src = static_cast<const S*>(a.input) + offset;
+      src = static_cast<const S*>(a.input) + input_rows.offset(row);
     }
     // Quantized output: the row normalized into the thread's buffer, then encoded from it.
-    Y* out = a.codes != nullptr ? static_cast<Y*>(a.row_buffer) : static_cast<Y*>(a.out) + offset;
+    Y* out = a.codes != nullptr ? static_cast<Y*>(a.row_buffer) : static_cast<Y*>(a.out) + out_rows.offset(row);
 
     C mean_hi = 0, mean_lo = 0;
     double var_or_ms;

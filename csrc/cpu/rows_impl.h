@@ -81,9 +81,10 @@ void segment_sums(const void* src, int64_t begin, int64_t end, double center, do
 template <class S, class Y>
 void segment_normalize(const ForwardRows& a, int64_t row, int64_t c0, int64_t c1, double mean, double rstd) {
   using C = ComputeOf<S>;
-  const int64_t offset = row * a.cols + c0;
-  const S* src = static_cast<const S*>(a.residual != nullptr ? a.residual_out : a.input) + offset;
-  Y* out = static_cast<Y*>(a.out) + offset;
+  const S* src = a.residual != nullptr ? static_cast<const S*>(a.residual_out) + a.residual_out_rows.offset(row)
+                                       : static_cast<const S*>(a.input) + a.input_rows.offset(row);
+  src += c0;
+  Y* out = static_cast<Y*>(a.out) + a.out_rows.offset(row) + c0;
   const C* weight = a.weight != nullptr ? static_cast<const C*>(a.weight) + c0 : nullptr;
   const C* bias = a.bias != nullptr ? static_cast<const C*>(a.bias) + c0 : nullptr;
   const C hi = static_cast<C>(mean), lo = static_cast<C>(mean - static_cast<double>(hi));

@@ -20,8 +20,9 @@ void backward_f64(const NormBackwardParams& p);
 void backward_f16(const NormBackwardParams& p);
 void backward_bf16(const NormBackwardParams& p);
 
-void forward(const NormForwardParams& p) {
-  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device));
+namespace {
+
+void forward_on_packed_rows(const NormForwardParams& p) {
   switch (p.input_type) {
     case ScalarType::Float: return forward_f32(p);
     case ScalarType::Double: return forward_f64(p);
@@ -31,8 +32,7 @@ void forward(const NormForwardParams& p) {
   }
 }
 
-void backward(const NormBackwardParams& p) {
-  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device));
+void backward_on_packed_rows(const NormBackwardParams& p) {
   switch (p.out_type) {
     case ScalarType::Float: return backward_f32(p);
     case ScalarType::Double: return backward_f64(p);
@@ -40,6 +40,19 @@ void backward(const NormBackwardParams& p) {
     case ScalarType::BFloat16: return backward_bf16(p);
     default: TORCH_INTERNAL_ASSERT(false, "layernorm_ext: unchecked grad_out dtype ", p.out_type);
   }
+}
+
+}  // namespace
+
+// The kernels index packed rows only for now (issue 24): strided rows are copied around them.
+void forward(const NormForwardParams& p) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device));
+  launch_on_packed_rows(p, forward_on_packed_rows);
+}
+
+void backward(const NormBackwardParams& p) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device));
+  launch_on_packed_rows(p, backward_on_packed_rows);
 }
 
 // The input's device's stream, not the current device's: a call on cuda:1 while cuda:0 is current and capturing

@@ -15,7 +15,7 @@ using layernorm_ext::OptTensor;
 using layernorm_ext::Tensor;
 namespace cuda = layernorm_ext::cuda;
 
-void forward(const NormForwardParams& p) {
+void forward_on_packed_rows(const NormForwardParams& p) {
   switch (p.input_type) {
     case at::kFloat: return cuda::forward_for_input<float>(p);
     case at::kDouble: return cuda::forward_for_input<double>(p);
@@ -25,7 +25,7 @@ void forward(const NormForwardParams& p) {
   }
 }
 
-void backward(const NormBackwardParams& p) {
+void backward_on_packed_rows(const NormBackwardParams& p) {
   switch (p.out_type) {
     case at::kFloat: return cuda::backward_for_grad<float>(p);
     case at::kDouble: return cuda::backward_for_grad<double>(p);
@@ -34,6 +34,10 @@ void backward(const NormBackwardParams& p) {
     default: TORCH_CHECK(false, "unsupported dtype");
   }
 }
+
+// As csrc/cuda/norm_cuda.cpp: the kernels index packed rows only, strided rows are copied around them.
+void forward(const NormForwardParams& p) { layernorm_ext::launch_on_packed_rows(p, forward_on_packed_rows); }
+void backward(const NormBackwardParams& p) { layernorm_ext::launch_on_packed_rows(p, backward_on_packed_rows); }
 
 c10::SymIntArrayRef sym(const std::vector<int64_t>& shape) {
   return c10::fromIntArrayRefSlow(at::IntArrayRef(shape));

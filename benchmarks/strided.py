@@ -1,0 +1,71 @@
+"""Strided rows (issue 24): QK-norm on views of a fused qkv projection and LayerNorm2d on channels_last input,
+ours in place against the copy paths (ATen on the view, ours after .contiguous(), timm's permute + layer_norm).
+CPU, one thread, the median of --repeats timings of one call, no grad.
+
+    python benchmarks/strided.py [--repeats 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import layernorm_ext as L
+
+
+def median_us(fn: Callable[[], object], repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print("| case | dtype | ours, strided (us) | ours on .contiguous() (us) | ATen (us) |")
+    print("|---|---|---|---|---|")
+    tokens, heads, head_dim = 2048, 32, 128
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv = torch.randn(tokens, 3 * heads * head_dim, dtype=dtype)
+        q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+        w = torch.randn(head_dim, dtype=dtype)
+        with torch.no_grad():
+            row = [
+                median_us(lambda: L.rms_norm(q, head_dim, w, 1e-6), args.repeats),
+                median_us(lambda: L.rms_norm(q.contiguous(), head_dim, w, 1e-6), args.repeats),
+                median_us(lambda: F.rms_norm(q, (head_dim,), w, 1e-6), args.repeats),
+            ]
+        print(f"| QK-norm q view [{tokens}, {heads}, {head_dim}] | {dtype} | " + " | ".join(f"{t:.0f}" for t in row)
+              + " |")  # fmt: skip
+    n, c, h, wd = 8, 256, 56, 56
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(n, c, h, wd, dtype=dtype).contiguous(memory_format=torch.channels_last)
+        weight, bias = torch.randn(c, dtype=dtype), torch.randn(c, dtype=dtype)
+
+        def timm() -> torch.Tensor:
+            return F.layer_norm(x.permute(0, 2, 3, 1), (c,), weight, bias, 1e-6).permute(0, 3, 1, 2)
+
+        with torch.no_grad():
+            row = [
+                median_us(lambda: L.layer_norm_2d(x, weight, bias), args.repeats),
+                median_us(lambda: L.layer_norm_2d(x.contiguous(), weight, bias), args.repeats),
+                median_us(timm, args.repeats),
+            ]
+        print(f"| LayerNorm2d channels_last [{n}, {c}, {h}, {wd}] | {dtype} | "
+              + " | ".join(f"{t:.0f}" for t in row) + " |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

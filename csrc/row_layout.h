@@ -1,0 +1,36 @@
+// Where a tensor's rows lie in memory (issue 24): the normalized dims packed (each row `cols` consecutive
+// elements), the leading dims with any strides. The leading dims, coalesced, fit in at most two: `outer` steps
+// of outer_stride, each holding `inner` rows inner_stride apart, e.g. QK-norm's [tokens, heads] view of a fused
+// qkv projection (strides 3 * heads * head_dim and head_dim). A contiguous tensor, a slice x[..., :d] and any
+// rows evenly spaced in memory have inner == 1: one multiply per row. Offsets are in elements from the tensor's
+// data pointer (its storage offset included). Plain C++ (the CPU row kernels and the CUDA kernels include it).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define LNX_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define LNX_HOST_DEVICE inline
+#endif
+
+namespace layernorm_ext {
+
+struct RowLayout {
+  int64_t inner = 1;         // rows per outer step; 1: rows evenly spaced, outer_stride apart
+  int64_t inner_stride = 0;  // between rows of one outer step (unused when inner == 1)
+  int64_t outer_stride = 0;  // between outer steps
+
+  // The rows of a contiguous [rows, cols] tensor.
+  static RowLayout packed(int64_t cols) { return RowLayout{1, 0, cols}; }
+
+  LNX_HOST_DEVICE int64_t offset(int64_t row) const {
+    if (inner == 1) return row * outer_stride;
+    const int64_t outer = row / inner;
+    return outer * outer_stride + (row - outer * inner) * inner_stride;
+  }
+
+  bool is_packed(int64_t cols) const { return inner == 1 && outer_stride == cols; }
+};
+
+}  // namespace layernorm_ext
