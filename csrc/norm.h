@@ -47,8 +47,8 @@ void check_destination(const char* op, const char* name, const Tensor& input, co
 // A buffer of another shape (the per-row scales): that shape, the dtype, contiguous.
 void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest, ScalarType dtype,
                        at::IntArrayRef shape);
-// The quantized-output ops: quant_dtype float8_e4m3fn, float8_e5m2 or int8; scale (static) and scale_ub (a cap of the
-// dynamic scale, so never with scale) float32 tensors of one element on input's device.
+// The quantized-output ops: quant_dtype float8_e4m3fn, float8_e5m2 or int8; scale (static) and scale_ub (a cap of
+// the dynamic scale, so never with scale) float32 tensors of one element on input's device.
 // dtype_of_out: quant_dtype is an out= buffer's dtype (the *_quant_into ops), and the error says so.
 void check_quant_args(const char* op, const Tensor& input, ScalarType quant_dtype, const OptTensor& scale,
                       const OptTensor& scale_ub, bool dtype_of_out = false);

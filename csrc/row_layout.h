@@ -11,7 +11,9 @@
 #if defined(__CUDACC__)
 #define LNX_HOST_DEVICE __host__ __device__ __forceinline__
 #else
-#define LNX_HOST_DEVICE inline
+// Always inlined, even at -O0: an out-of-line copy would be a weak symbol that each CPU instruction-set object
+// defines, and the linker may keep the AVX-512 one for every caller (tests/test_cpu_isa.py).
+#define LNX_HOST_DEVICE inline __attribute__((always_inline))
 #endif
 
 namespace layernorm_ext {

@@ -255,8 +255,11 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
       };
       Pair<double> stats = centered_stats(shift);
       const double offset = stats.first - static_cast<double>(shift);
-      const bool coarse_mean = std::is_same_v<C, double> && __builtin_fabs(offset) > kMaxDoubleShift * __builtin_fabs(stats.first);
-      if (offset * offset > kMaxShiftSq * stats.second || coarse_mean) stats = centered_stats(static_cast<C>(stats.first));
+      const bool coarse_mean =
+          std::is_same_v<C, double> && __builtin_fabs(offset) > kMaxDoubleShift * __builtin_fabs(stats.first);
+      if (offset * offset > kMaxShiftSq * stats.second || coarse_mean) {
+        stats = centered_stats(static_cast<C>(stats.first));
+      }
       const auto [mean, var] = stats;
       mean_hi = static_cast<C>(mean);
       mean_lo = static_cast<C>(mean - static_cast<double>(mean_hi));
