@@ -66,16 +66,19 @@ static void define_schemas(torch::Library& m) {
   // Quantized output (csrc/quant_math.h has the arithmetic): the forward written as float8_e4m3fn, float8_e5m2 or int8
   // codes (out), with a static scale (one float32) or, without one, a dynamic scale per row from the row's
   // absmax, capped by scale_ub, returned as scales (shaped as the rows, 1 for each normalized dim; [0] for a
-  // static scale). residual_out is h with a residual ([0] without). No statistics, no autograd (inference ops).
+  // static scale); with group_size > 0 a dynamic scale per group of group_size columns instead (shaped as the
+  // rows, then the groups; scales_column_major: each group's scales of all rows contiguous, vLLM's transposed
+  // layout). residual_out is h with a residual ([0] without). No statistics, no autograd (inference ops).
   m.def(
       "layer_norm_quant(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
       "ScalarType quant_dtype, Tensor? scale=None, Tensor? scale_ub=None, Tensor? residual=None, "
-      "bool residual_in_fp32=False, float weight_offset=0., bool cast_before_weight=False) "
-      "-> (Tensor out, Tensor scales, Tensor residual_out)");
+      "bool residual_in_fp32=False, float weight_offset=0., bool cast_before_weight=False, int group_size=0, "
+      "bool scales_column_major=False) -> (Tensor out, Tensor scales, Tensor residual_out)");
   m.def(
       "rms_norm_quant(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps, ScalarType quant_dtype, "
       "Tensor? scale=None, Tensor? scale_ub=None, Tensor? residual=None, bool residual_in_fp32=False, "
-      "float weight_offset=0., bool cast_before_weight=False) -> (Tensor out, Tensor scales, Tensor residual_out)");
+      "float weight_offset=0., bool cast_before_weight=False, int group_size=0, bool scales_column_major=False) "
+      "-> (Tensor out, Tensor scales, Tensor residual_out)");
   // The same into the caller's buffers (vLLM's out= convention): out holds the codes (its dtype is the quantized
   // one), scales the dynamic per-row scales (given exactly when scale is not), residual_out h (with a residual;
   // it may be residual itself: vLLM's fused add updates the residual in place).
@@ -83,12 +86,12 @@ static void define_schemas(torch::Library& m) {
       "layer_norm_quant_into(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
       "Tensor(a!) out, Tensor? scale=None, Tensor(b!)? scales=None, Tensor? scale_ub=None, Tensor? residual=None, "
       "Tensor(c!)? residual_out=None, bool residual_in_fp32=False, float weight_offset=0., "
-      "bool cast_before_weight=False) -> ()");
+      "bool cast_before_weight=False, int group_size=0) -> ()");
   m.def(
       "rms_norm_quant_into(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps, Tensor(a!) out, "
       "Tensor? scale=None, Tensor(b!)? scales=None, Tensor? scale_ub=None, Tensor? residual=None, "
       "Tensor(c!)? residual_out=None, bool residual_in_fp32=False, float weight_offset=0., "
-      "bool cast_before_weight=False) -> ()");
+      "bool cast_before_weight=False, int group_size=0) -> ()");
   // The functional API (layernorm_ext/functional.py): each the forward op above, returning only what the user
   // gets, which spares an eager call the statistics' Python objects (CompositeImplicitAutograd, in
   // norm_autograd.cpp: autograd, fake tensors, DTensor and autocast all act on the forward op).

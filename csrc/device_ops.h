@@ -79,9 +79,11 @@ struct DeviceOps {
                                                          ScalarType quant_dtype, const OptTensor& scale,
                                                          const OptTensor& scale_ub, const OptTensor& residual,
                                                          bool residual_in_fp32, double weight_offset,
-                                                         bool cast_before_weight) {
+                                                         bool cast_before_weight, int64_t group_size,
+                                                         bool scales_column_major) {
     return layer_norm_quant(input, shape, weight, bias, eps, quant_dtype, scale, scale_ub, residual,
-                            residual_in_fp32, weight_offset, cast_before_weight, kForward);
+                            residual_in_fp32, weight_offset, cast_before_weight, group_size, scales_column_major,
+                            kForward);
   }
 
   static std::tuple<Tensor, Tensor, Tensor> rms_norm_q(const Tensor& input, c10::SymIntArrayRef shape,
@@ -89,27 +91,28 @@ struct DeviceOps {
                                                        ScalarType quant_dtype, const OptTensor& scale,
                                                        const OptTensor& scale_ub, const OptTensor& residual,
                                                        bool residual_in_fp32, double weight_offset,
-                                                       bool cast_before_weight) {
+                                                       bool cast_before_weight, int64_t group_size,
+                                                       bool scales_column_major) {
     return rms_norm_quant(input, shape, weight, eps, quant_dtype, scale, scale_ub, residual, residual_in_fp32,
-                          weight_offset, cast_before_weight, kForward);
+                          weight_offset, cast_before_weight, group_size, scales_column_major, kForward);
   }
 
   static void layer_norm_q_into(const Tensor& input, c10::SymIntArrayRef shape, const OptTensor& weight,
                                 const OptTensor& bias, double eps, const Tensor& out, const OptTensor& scale,
                                 const OptTensor& scales, const OptTensor& scale_ub, const OptTensor& residual,
                                 const OptTensor& residual_out, bool residual_in_fp32, double weight_offset,
-                                bool cast_before_weight) {
+                                bool cast_before_weight, int64_t group_size) {
     layer_norm_quant_into(input, shape, weight, bias, eps, out, scale, scales, scale_ub, residual, residual_out,
-                          residual_in_fp32, weight_offset, cast_before_weight, kForward);
+                          residual_in_fp32, weight_offset, cast_before_weight, group_size, kForward);
   }
 
   static void rms_norm_q_into(const Tensor& input, c10::SymIntArrayRef shape, const OptTensor& weight,
                               std::optional<double> eps, const Tensor& out, const OptTensor& scale,
                               const OptTensor& scales, const OptTensor& scale_ub, const OptTensor& residual,
                               const OptTensor& residual_out, bool residual_in_fp32, double weight_offset,
-                              bool cast_before_weight) {
+                              bool cast_before_weight, int64_t group_size) {
     rms_norm_quant_into(input, shape, weight, eps, out, scale, scales, scale_ub, residual, residual_out,
-                        residual_in_fp32, weight_offset, cast_before_weight, kForward);
+                        residual_in_fp32, weight_offset, cast_before_weight, group_size, kForward);
   }
 
   static void register_to(torch::Library& m) {

@@ -6,6 +6,7 @@
 
 #include <cmath>
 
+#include <c10/util/accumulate.h>
 #include <c10/util/irange.h>
 
 namespace layernorm_ext {
@@ -226,6 +227,38 @@ void check_scales_buffer(const char* op, const Tensor& input, bool static_scale,
   TORCH_CHECK(scales.has_value(), op,
               ": a dynamic scale (no scale=) needs a scales= buffer for the per-row scales of shape ", scale_shape);
   check_destination(op, "scales", input, *scales, ScalarType::Float, scale_shape);
+}
+
+void check_group_size(const char* op, at::IntArrayRef normalized_shape, int64_t group_size, bool static_scale,
+                      bool scales_column_major) {
+  TORCH_CHECK(group_size >= 0, op, ": expected group_size to be positive (or 0: a scale per row), but got ",
+              group_size);
+  if (group_size == 0) {
+    TORCH_CHECK(!scales_column_major, op, ": scales_column_major lays out per-group scales, so it needs a group_size");
+    return;
+  }
+  TORCH_CHECK(!static_scale, op, ": group_size gives each group of columns a dynamic scale, so it cannot be given "
+              "with a static scale");
+  TORCH_CHECK(normalized_shape.size() == 1, op, ": group_size needs a 1-D normalized_shape (groups along its "
+              "dim), but got normalized_shape ", normalized_shape);
+  TORCH_CHECK(normalized_shape[0] % group_size == 0, op, ": expected group_size to divide the ", normalized_shape[0],
+              " normalized elements of a row, but got group_size=", group_size);
+}
+
+GroupScalesLayout check_group_scales_buffer(const char* op, const Tensor& input, const OptTensor& scales,
+                                            at::IntArrayRef scale_shape) {
+  TORCH_CHECK(scales.has_value(), op,
+              ": a dynamic scale (no scale=) needs a scales= buffer for the per-group scales of shape ", scale_shape);
+  check_destination_shape(op, "scales", input, *scales, ScalarType::Float, scale_shape);
+  const int64_t groups = scale_shape.back();
+  const int64_t rows = c10::multiply_integers(scale_shape.begin(), scale_shape.end() - 1);
+  if (scales->is_contiguous() || groups == 0 || rows == 0) return {groups, 1};
+  const Tensor row_scales = scales->select(-1, 0);  // the rows' dims alone
+  const int64_t group_stride = groups > 1 ? scales->stride(-1) : rows;
+  TORCH_CHECK(row_scales.is_contiguous() && group_stride >= rows, op, ": expected scales to be row-major "
+              "(contiguous) or column-major (each group's scales of all rows contiguous, the groups at least as many "
+              "elements apart), but got scales of shape ", scales->sizes(), " and strides ", scales->strides());
+  return {1, group_stride};
 }
 
 void check_weight_offset(const char* op, const OptTensor& weight, double weight_offset) {

@@ -112,6 +112,8 @@ struct QuantRequest {
   ScalarType dtype;
   OptTensor scale, scale_ub;
   OptTensor scales_out;  // with caller's buffers (Destination::out): where the dynamic scales go
+  int64_t group_size = 0;            // > 0: a dynamic scale per group of columns
+  bool scales_column_major = false;  // (new scales, per group) each group's scales of all rows contiguous
 };
 
 // Where a forward writes: new tensors with the statistics (the ops autograd saves from), or the caller's
@@ -139,19 +141,35 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   const uint8_t unread = std::exchange(outputs_unread, 0);
   const bool given = dest.out.has_value();
   const QuantRequest* quant = dest.quant;
-  if (quant != nullptr) check_quant_args(op, input_arg, quant->dtype, quant->scale, quant->scale_ub, given);
-  // One scale per row, shaped as the rows with 1 for each normalized dim: it broadcasts against the codes.
-  // (Only the quantized ops have scales: the other calls build no shape.)
+  const int64_t group_size = quant != nullptr ? quant->group_size : 0;
+  if (quant != nullptr) {
+    check_quant_args(op, input_arg, quant->dtype, quant->scale, quant->scale_ub, given);
+    check_group_size(op, normalized_shape, group_size, quant->scale.has_value(), quant->scales_column_major);
+    TORCH_CHECK_NOT_IMPLEMENTED(group_size == 0 || input_arg.is_cpu(), op,
+                                ": group_size (per-group scales) has a CPU kernel only so far, but got an input on ",
+                                input_arg.device());
+  }
+  // One scale per row, shaped as the rows with 1 for each normalized dim: it broadcasts against the codes; per
+  // group, shaped as the rows and then the groups (vLLM's). (Only the quantized ops have scales.)
   std::vector<int64_t> scale_shape;
   if (quant != nullptr) {
     scale_shape = g.stat_shape;
-    scale_shape.resize(scale_shape.size() + normalized_shape.size(), 1);
+    if (group_size > 0) {
+      scale_shape.push_back(g.cols / group_size);
+    } else {
+      scale_shape.resize(scale_shape.size() + normalized_shape.size(), 1);
+    }
   }
+  GroupScalesLayout group_layout{0, 0};
   if (given) {
     const char* out_name = dest.in_place ? "input" : "out";
     check_destination(op, out_name, input_arg, *dest.out, normalized_ndim,
                       quant != nullptr ? quant->dtype : input_arg.scalar_type());
-    if (quant != nullptr) check_scales_buffer(op, input_arg, quant->scale.has_value(), quant->scales_out, scale_shape);
+    if (group_size > 0) {
+      group_layout = check_group_scales_buffer(op, input_arg, quant->scales_out, scale_shape);
+    } else if (quant != nullptr) {
+      check_scales_buffer(op, input_arg, quant->scale.has_value(), quant->scales_out, scale_shape);
+    }
     TORCH_CHECK(residual_arg.has_value() == dest.residual_out.has_value(), op,
                 residual_arg.has_value() ? ": a residual needs a residual_out buffer (h = input + residual)"
                                          : ": residual_out is given without a residual");
@@ -224,8 +242,16 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     r.out = at::empty(input.sizes(), input.options().dtype(quant->dtype));
     r.residual_out = residual.has_value() ? at::empty(input.sizes(), input.options().dtype(h_type))
                                           : placeholder(input, input.scalar_type());
-    r.scales = dynamic_scale ? at::empty(scale_shape, input.options().dtype(ScalarType::Float))
-                             : placeholder(input, ScalarType::Float);
+    if (group_size > 0 && quant->scales_column_major) {
+      std::vector<int64_t> groups_first{scale_shape.back()};
+      groups_first.insert(groups_first.end(), scale_shape.begin(), scale_shape.end() - 1);
+      r.scales = at::empty(groups_first, input.options().dtype(ScalarType::Float)).movedim(0, -1);
+      group_layout = {1, g.rows};
+    } else {
+      r.scales = dynamic_scale ? at::empty(scale_shape, input.options().dtype(ScalarType::Float))
+                               : placeholder(input, ScalarType::Float);
+      if (group_size > 0) group_layout = {g.cols / group_size, 1};
+    }
   } else {
     r.out = at::empty(input.sizes(), input.options());
     if (residual.has_value()) {
@@ -286,6 +312,9 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     p.scale = scale.has_value() ? scale->data_ptr<float>() : nullptr;
     p.scale_ub = scale_ub.has_value() ? scale_ub->data_ptr<float>() : nullptr;
     p.row_scales = dynamic_scale ? r.scales.data_ptr<float>() : nullptr;
+    p.group_size = group_size;
+    p.scale_row_stride = group_layout.row_stride;
+    p.scale_group_stride = group_layout.group_stride;
   }
   launch(p);
   if (out_rows.has_value()) out_rows->copy_back();
@@ -519,8 +548,9 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_quant(const Tensor& input, c10::Sy
                                                     ScalarType quant_dtype, const OptTensor& scale,
                                                     const OptTensor& scale_ub, const OptTensor& residual,
                                                     bool residual_in_fp32, double weight_offset,
-                                                    bool cast_before_weight, ForwardLauncher launch) {
-  const QuantRequest quant{quant_dtype, scale, scale_ub};
+                                                    bool cast_before_weight, int64_t group_size,
+                                                    bool scales_column_major, ForwardLauncher launch) {
+  const QuantRequest quant{quant_dtype, scale, scale_ub, std::nullopt, group_size, scales_column_major};
   Destination dest;
   dest.quant = &quant;
   ForwardResult r = norm_forward("layer_norm_quant", input, normalized_shape, weight, bias, eps, residual,
@@ -533,8 +563,9 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_quant(const Tensor& input, c10::SymI
                                                   ScalarType quant_dtype, const OptTensor& scale,
                                                   const OptTensor& scale_ub, const OptTensor& residual,
                                                   bool residual_in_fp32, double weight_offset,
-                                                  bool cast_before_weight, ForwardLauncher launch) {
-  const QuantRequest quant{quant_dtype, scale, scale_ub};
+                                                  bool cast_before_weight, int64_t group_size,
+                                                  bool scales_column_major, ForwardLauncher launch) {
+  const QuantRequest quant{quant_dtype, scale, scale_ub, std::nullopt, group_size, scales_column_major};
   Destination dest;
   dest.quant = &quant;
   ForwardResult r = norm_forward("rms_norm_quant", input, normalized_shape, weight, std::nullopt, eps, residual,
@@ -546,8 +577,8 @@ void layer_norm_quant_into(const Tensor& input, c10::SymIntArrayRef normalized_s
                           const OptTensor& bias, double eps, const Tensor& out, const OptTensor& scale,
                           const OptTensor& scales, const OptTensor& scale_ub, const OptTensor& residual,
                           const OptTensor& residual_out, bool residual_in_fp32, double weight_offset,
-                          bool cast_before_weight, ForwardLauncher launch) {
-  const QuantRequest quant{out.scalar_type(), scale, scale_ub, scales};
+                          bool cast_before_weight, int64_t group_size, ForwardLauncher launch) {
+  const QuantRequest quant{out.scalar_type(), scale, scale_ub, scales, group_size};
   Destination dest{out, residual_out};
   dest.quant = &quant;
   norm_forward("layer_norm_quant_into", input, normalized_shape, weight, bias, eps, residual, residual_in_fp32,
@@ -558,8 +589,8 @@ void rms_norm_quant_into(const Tensor& input, c10::SymIntArrayRef normalized_sha
                          std::optional<double> eps, const Tensor& out, const OptTensor& scale, const OptTensor& scales,
                          const OptTensor& scale_ub, const OptTensor& residual, const OptTensor& residual_out,
                          bool residual_in_fp32, double weight_offset, bool cast_before_weight,
-                         ForwardLauncher launch) {
-  const QuantRequest quant{out.scalar_type(), scale, scale_ub, scales};
+                         int64_t group_size, ForwardLauncher launch) {
+  const QuantRequest quant{out.scalar_type(), scale, scale_ub, scales, group_size};
   Destination dest{out, residual_out};
   dest.quant = &quant;
   norm_forward("rms_norm_quant_into", input, normalized_shape, weight, std::nullopt, eps, residual,

@@ -58,6 +58,11 @@ struct NormForwardParams {
   const float* scale = nullptr;
   const float* scale_ub = nullptr;
   float* row_scales = nullptr;
+  // Per-group dynamic scales (group_size > 0, dividing cols): the scale of row r's group g is at
+  // row_scales[r * scale_row_stride + g * scale_group_stride] (row-major or column-major, see norm_checks.cpp).
+  int64_t group_size = 0;
+  int64_t scale_row_stride = 1;
+  int64_t scale_group_stride = 0;
   RowLayout input_rows, residual_rows, out_rows, residual_out_rows;  // out_rows: out's, or codes'
 };
 

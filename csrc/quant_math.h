@@ -14,6 +14,8 @@
 //            float8_e5m2 (FlashInfer's norms take it): the same with [-57344, 57344], float8_e4m3fn's rules
 //            otherwise (how it scales, its min_scale in proportion);
 //            int8: v clamped to [-128, 127], rounded to nearest even, NaN gives 0 (as cvt.rni.sat.s8.f32).
+// Per group (group_size > 0: vLLM's per-block layout, dynamic only): each group_size consecutive columns of a row
+// get the dynamic scale of their own absmax, and every code scales as y * (1 / scale) (group_scaling).
 // min_scale (vLLM's): 1 / (qmax * 512) for the float8 codes, float32's epsilon for int8, so that a row of zeros
 // gets a positive scale and codes 0.
 // Plain C++ (no torch header): the CPU instruction-set objects include it; every function has internal linkage.
@@ -25,7 +27,9 @@
 #if defined(__CUDACC__)
 #define LNX_QUANT_FN static __host__ __device__ __forceinline__
 #else
-#define LNX_QUANT_FN static inline
+// Always inlined: the CPU's instruction-set objects instantiate fp8_bits on their own vector types inside their
+// target regions, and a call to a copy compiled for the default target (passing AVX-512 vectors) crashed.
+#define LNX_QUANT_FN static inline __attribute__((always_inline))
 #endif
 
 namespace layernorm_ext {
@@ -62,35 +66,52 @@ LNX_QUANT_FN float bits_float(uint32_t b) {
 // max(m, |a|) that propagates NaN (as torch.amax): once m is NaN it stays NaN.
 LNX_QUANT_FN float nan_max(float m, float a) { return (a > m || a != a) ? a : m; }
 
-// float -> float8_e4m3fn bits: saturate to +-448, round to nearest even, NaN -> 0x7f (with the sign).
-// Normal results (|v| >= 2^-6) round the float's mantissa to 3 bits and rebias the exponent (127 -> 7);
-// subnormal ones are |v| in units of 2^-9 rounded to an integer (2^23 added: the add rounds), which also
-// gives the smallest normal, 0x08, where |v| rounds up to 2^-6.
-LNX_QUANT_FN uint8_t to_e4m3fn(float v) {
-  v = v > kFp8Max ? kFp8Max : (v < -kFp8Max ? -kFp8Max : v);  // NaN passes
-  const uint32_t x = float_bits(v);
-  const uint32_t sign = (x >> 24) & 0x80u;
-  const uint32_t ax = x & 0x7fffffffu;
-  const uint32_t normal = ((ax + 0x7ffffu + ((ax >> 20) & 1u)) >> 20) - (120u << 3);
-  const uint32_t subnormal = float_bits(bits_float(ax) * 512.0f + 8388608.0f) - 0x4b000000u;
-  uint32_t magnitude = ax >= 0x3c800000u ? normal : subnormal;
-  magnitude = ax > 0x7f800000u ? 0x7fu : magnitude;
-  return static_cast<uint8_t>(sign | magnitude);
+// The float8 formats: mantissa bits, exponent bias, largest finite value (e4m3fn has no infinity).
+struct E4m3fn {
+  static constexpr int kMantissa = 3, kBias = 7;
+  static constexpr float kMax = kFp8Max;
+};
+struct E5m2 {
+  static constexpr int kMantissa = 2, kBias = 15;
+  static constexpr float kMax = kE5m2Max;
+};
+
+// A float's bits and back, for one float (Lanes = ScalarLanes) or a vector of them (the CPU's lane type).
+struct ScalarLanes {
+  using Floats = float;
+  using Bits = uint32_t;
+  LNX_QUANT_FN Bits bits(Floats v) { return float_bits(v); }
+  LNX_QUANT_FN Floats floats(Bits b) { return bits_float(b); }
+};
+
+// float -> float8 bits of Format (in the low byte of each lane): saturate to +-kMax, round to nearest even,
+// NaN -> 0x7f (with the sign). Normal results (|v| >= 2^(1 - kBias)) round the float's mantissa to kMantissa
+// bits and rebias the exponent (127 -> kBias); subnormal ones are |v| in units of 2^(1 - kBias - kMantissa)
+// rounded to an integer (2^23 added: the add rounds), which also gives the smallest normal where |v| rounds
+// up to it. Written once for a float and for the CPU's vectors of floats (GCC vector extensions: the same
+// operators and ?: lane by lane).
+template <class Format, class Lanes>
+LNX_QUANT_FN typename Lanes::Bits fp8_bits(typename Lanes::Floats v) {
+  using Floats = typename Lanes::Floats;
+  using Bits = typename Lanes::Bits;
+  constexpr int kShift = 23 - Format::kMantissa;
+  constexpr uint32_t kMinNormal = static_cast<uint32_t>(128 - Format::kBias) << 23;
+  constexpr uint32_t kRebias = static_cast<uint32_t>(127 - Format::kBias) << Format::kMantissa;
+  constexpr float kSubnormalUnits = static_cast<float>(1u << (Format::kBias + Format::kMantissa - 1));
+  v = v > Format::kMax ? Floats{} + Format::kMax : v;  // NaN compares false both times and passes
+  v = v < -Format::kMax ? Floats{} - Format::kMax : v;
+  const Bits x = Lanes::bits(v);
+  const Bits sign = (x >> 24) & 0x80u;
+  const Bits ax = x & 0x7fffffffu;
+  const Bits normal = ((ax + ((1u << (kShift - 1)) - 1u) + ((ax >> kShift) & 1u)) >> kShift) - kRebias;
+  const Bits subnormal = Lanes::bits(Lanes::floats(ax) * kSubnormalUnits + 8388608.0f) - 0x4b000000u;
+  Bits magnitude = ax >= kMinNormal ? normal : subnormal;
+  magnitude = ax > 0x7f800000u ? Bits{} + 0x7fu : magnitude;
+  return sign | magnitude;
 }
 
-// float -> float8_e5m2 bits: saturate to +-57344, round to nearest even, NaN -> 0x7f (with the sign). As
-// to_e4m3fn with 2 mantissa bits and the exponent bias 15: normal from 2^-14, subnormals in units of 2^-16.
-LNX_QUANT_FN uint8_t to_e5m2(float v) {
-  v = v > kE5m2Max ? kE5m2Max : (v < -kE5m2Max ? -kE5m2Max : v);  // NaN passes
-  const uint32_t x = float_bits(v);
-  const uint32_t sign = (x >> 24) & 0x80u;
-  const uint32_t ax = x & 0x7fffffffu;
-  const uint32_t normal = ((ax + 0xfffffu + ((ax >> 21) & 1u)) >> 21) - (112u << 2);
-  const uint32_t subnormal = float_bits(bits_float(ax) * 65536.0f + 8388608.0f) - 0x4b000000u;
-  uint32_t magnitude = ax >= 0x38800000u ? normal : subnormal;
-  magnitude = ax > 0x7f800000u ? 0x7fu : magnitude;
-  return static_cast<uint8_t>(sign | magnitude);
-}
+LNX_QUANT_FN uint8_t to_e4m3fn(float v) { return static_cast<uint8_t>(fp8_bits<E4m3fn, ScalarLanes>(v)); }
+LNX_QUANT_FN uint8_t to_e5m2(float v) { return static_cast<uint8_t>(fp8_bits<E5m2, ScalarLanes>(v)); }
 
 // float -> int8: NaN -> 0, saturate to [-128, 127], round to nearest even (1.5 * 2^23 added: the add rounds).
 LNX_QUANT_FN int8_t to_int8(float v) {
@@ -124,6 +145,10 @@ LNX_QUANT_FN Scaling scaling(float scale, bool is_static, Code code) {
   const bool divide = is_static == (code == Code::kInt8);
   return {divide ? scale : 1.0f / scale, divide};
 }
+
+// Per-group scales (vLLM's rms_norm_per_block_quant, every code): y * (1 / scale), the reciprocal rounded once per
+// group.
+LNX_QUANT_FN Scaling group_scaling(float scale) { return {1.0f / scale, false}; }
 
 LNX_QUANT_FN float scaled(float y, Scaling s) { return s.divide ? y / s.factor : y * s.factor; }
 

@@ -138,6 +138,42 @@ def check_quant(
                       f"{_name(t.dtype)} and shape {_sizes(t.shape)}")
 
 
+def check_group_size(
+    op: str, normalized_shape: Sequence[int], group_size: int, static_scale: bool, scales_column_major: bool
+) -> None:
+    """check_group_size."""
+    if group_size < 0:
+        _fail(op, f"expected group_size to be positive (or 0: a scale per row), but got {group_size}")
+    if group_size == 0:
+        if scales_column_major:
+            _fail(op, "scales_column_major lays out per-group scales, so it needs a group_size")
+        return
+    if static_scale:
+        _fail(op, "group_size gives each group of columns a dynamic scale, so it cannot be given with a static scale")
+    if len(normalized_shape) != 1:
+        _fail(op, "group_size needs a 1-D normalized_shape (groups along its dim), but got normalized_shape "
+                  f"{_sizes(normalized_shape)}")
+    if normalized_shape[0] % group_size != 0:
+        _fail(op, f"expected group_size to divide the {normalized_shape[0]} normalized elements of a row, but got "
+                  f"group_size={group_size}")
+
+
+def check_group_scales_buffer(op: str, input: Tensor, scales: Tensor | None, scale_shape: Sequence[int]) -> None:
+    """check_group_scales_buffer: row-major or column-major (each group's scales of all rows contiguous)."""
+    if scales is None:
+        _fail(op, "a dynamic scale (no scale=) needs a scales= buffer for the per-group scales of shape "
+                  f"{_sizes(scale_shape)}")
+    _check_destination_shape(op, "scales", input, scales, torch.float32, scale_shape)
+    groups, rows = scale_shape[-1], math.prod(scale_shape[:-1])
+    if scales.is_contiguous() or groups == 0 or rows == 0:
+        return
+    group_stride = scales.stride(-1) if groups > 1 else rows
+    if not (scales.select(-1, 0).is_contiguous() and group_stride >= rows):
+        _fail(op, "expected scales to be row-major (contiguous) or column-major (each group's scales of all rows "
+                  "contiguous, the groups at least as many elements apart), but got scales of shape "
+                  f"{_sizes(scales.shape)} and strides {_sizes(scales.stride())}")
+
+
 def _check_destination_shape(
     op: str, name: str, input: Tensor, dest: Tensor, dtype: torch.dtype, shape: Sequence[object]
 ) -> None:

@@ -195,21 +195,30 @@ def _add_rms_norm_inplace_fake(
 
 
 # Quantized output: codes of quant_dtype, the dynamic scales (one per row, shaped as the rows with a 1 for each
-# normalized dim; [0] for a static scale) and, with a residual, h.
+# normalized dim; per group: the rows, then the groups, column-major on request; [0] for a static scale) and,
+# with a residual, h.
 
 
 def _fake_quant(
     op: str, input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
     quant_dtype: torch.dtype, scale: Tensor | None, scale_ub: Tensor | None, residual: Tensor | None,
-    residual_in_fp32: bool, weight_offset: float,
+    residual_in_fp32: bool, weight_offset: float, group_size: int, scales_column_major: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual, rms=_is_rms(op))
     _checks.check_weight_offset(op, weight, weight_offset)
     _checks.check_quant(op, input, quant_dtype, scale, scale_ub)
+    _checks.check_group_size(op, normalized_shape, group_size, scale is not None, scales_column_major)
     h_dtype = input.dtype if residual is None else residual_out_dtype(input, residual, residual_in_fp32)
     codes = input.new_empty(input.shape, dtype=quant_dtype)
-    scale_shape = (*stat_shape, *([1] * len(normalized_shape))) if scale is None else (0,)
-    scales = input.new_empty(scale_shape, dtype=torch.float32)
+    if group_size > 0:
+        groups = normalized_shape[0] // group_size
+        if scales_column_major:
+            scales = input.new_empty((groups, *stat_shape), dtype=torch.float32).movedim(0, -1)
+        else:
+            scales = input.new_empty((*stat_shape, groups), dtype=torch.float32)
+    else:
+        scale_shape = (*stat_shape, *([1] * len(normalized_shape))) if scale is None else (0,)
+        scales = input.new_empty(scale_shape, dtype=torch.float32)
     residual_out = input.new_empty(input.shape if residual is not None else (0,), dtype=h_dtype)
     return codes, scales, residual_out
 
@@ -219,10 +228,10 @@ def _layer_norm_quant_fake(
     input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None, eps: float,
     quant_dtype: torch.dtype, scale: Tensor | None = None, scale_ub: Tensor | None = None,
     residual: Tensor | None = None, residual_in_fp32: bool = False, weight_offset: float = 0.0,
-    cast_before_weight: bool = False,
+    cast_before_weight: bool = False, group_size: int = 0, scales_column_major: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return _fake_quant("layer_norm_quant", input, normalized_shape, weight, bias, quant_dtype, scale, scale_ub,
-                       residual, residual_in_fp32, weight_offset)  # fmt: skip
+                       residual, residual_in_fp32, weight_offset, group_size, scales_column_major)  # fmt: skip
 
 
 @torch.library.register_fake("layernorm_ext::rms_norm_quant")
@@ -230,10 +239,10 @@ def _rms_norm_quant_fake(
     input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, eps: float | None,
     quant_dtype: torch.dtype, scale: Tensor | None = None, scale_ub: Tensor | None = None,
     residual: Tensor | None = None, residual_in_fp32: bool = False, weight_offset: float = 0.0,
-    cast_before_weight: bool = False,
+    cast_before_weight: bool = False, group_size: int = 0, scales_column_major: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return _fake_quant("rms_norm_quant", input, normalized_shape, weight, None, quant_dtype, scale, scale_ub,
-                       residual, residual_in_fp32, weight_offset)  # fmt: skip
+                       residual, residual_in_fp32, weight_offset, group_size, scales_column_major)  # fmt: skip
 
 
 # The quantized ops into the caller's buffers (out: the codes; scales: the dynamic scales; residual_out: h, which
@@ -243,13 +252,18 @@ def _rms_norm_quant_fake(
 def _fake_quant_into(
     op: str, input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
     out: Tensor, scale: Tensor | None, scales: Tensor | None, scale_ub: Tensor | None, residual: Tensor | None,
-    residual_out: Tensor | None, residual_in_fp32: bool, weight_offset: float,
+    residual_out: Tensor | None, residual_in_fp32: bool, weight_offset: float, group_size: int,
 ) -> None:
     stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual, rms=_is_rms(op))
     _checks.check_weight_offset(op, weight, weight_offset)
     _checks.check_quant(op, input, out.dtype, scale, scale_ub, dtype_of_out=True)
+    _checks.check_group_size(op, normalized_shape, group_size, scale is not None, False)
     _checks.check_destination(op, "out", input, out, len(normalized_shape), out.dtype)
-    _checks.check_scales_buffer(op, input, scale is not None, scales, (*stat_shape, *([1] * len(normalized_shape))))
+    if group_size > 0:
+        _checks.check_group_scales_buffer(op, input, scales, (*stat_shape, normalized_shape[0] // group_size))
+    else:
+        _checks.check_scales_buffer(op, input, scale is not None, scales,
+                                    (*stat_shape, *([1] * len(normalized_shape))))
     h_dtype = input.dtype if residual is None else residual_out_dtype(input, residual, residual_in_fp32)
     if (residual is None) != (residual_out is None):
         _checks._fail(op, "a residual needs a residual_out buffer (h = input + residual)" if residual is not None
@@ -263,10 +277,10 @@ def _layer_norm_quant_into_fake(
     input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None, eps: float,
     out: Tensor, scale: Tensor | None = None, scales: Tensor | None = None, scale_ub: Tensor | None = None,
     residual: Tensor | None = None, residual_out: Tensor | None = None, residual_in_fp32: bool = False,
-    weight_offset: float = 0.0, cast_before_weight: bool = False,
+    weight_offset: float = 0.0, cast_before_weight: bool = False, group_size: int = 0,
 ) -> None:
     _fake_quant_into("layer_norm_quant_into", input, normalized_shape, weight, bias, out, scale, scales, scale_ub,
-                     residual, residual_out, residual_in_fp32, weight_offset)  # fmt: skip
+                     residual, residual_out, residual_in_fp32, weight_offset, group_size)  # fmt: skip
 
 
 @torch.library.register_fake("layernorm_ext::rms_norm_quant_into")
@@ -274,10 +288,10 @@ def _rms_norm_quant_into_fake(
     input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, eps: float | None, out: Tensor,
     scale: Tensor | None = None, scales: Tensor | None = None, scale_ub: Tensor | None = None,
     residual: Tensor | None = None, residual_out: Tensor | None = None, residual_in_fp32: bool = False,
-    weight_offset: float = 0.0, cast_before_weight: bool = False,
+    weight_offset: float = 0.0, cast_before_weight: bool = False, group_size: int = 0,
 ) -> None:
     _fake_quant_into("rms_norm_quant_into", input, normalized_shape, weight, None, out, scale, scales, scale_ub,
-                     residual, residual_out, residual_in_fp32, weight_offset)  # fmt: skip
+                     residual, residual_out, residual_in_fp32, weight_offset, group_size)  # fmt: skip
 
 
 # DTensor sharding strategies (layernorm_ext/sharding.py), registered once torch.distributed.tensor is loaded.

@@ -32,6 +32,11 @@ Where engines (and vLLM's own kernels) disagree, and what this module does:
 - vLLM's standalone ``dynamic_scaled_int8_quant`` (no norm) multiplies by ``127 / absmax`` and has no
   min_scale; ``scale_ub`` there is float8 only, here either dtype.
 
+Per group (``group_size``, vLLM's ``rms_norm_per_block_quant``): each group of ``group_size`` consecutive
+elements of a row gets the dynamic scale of its own absmax (as above, capped by ``scale_ub``), and every code is
+``y * (1 / scale)`` with the group's reciprocal rounded once, whatever the codes' dtype;
+``(codes.float().unflatten(-1, (-1, group_size)) * scales[..., None]).flatten(-2)`` dequantizes.
+
 ``codes.float() * scale`` dequantizes (the dynamic scales are shaped as the rows with a 1 for each normalized
 dim, so they broadcast). They store no statistics and, like the other inference ops, refuse arguments that
 require grad while grad mode is on.
@@ -59,7 +64,11 @@ _ARGS_DOC = """
     torch.float8_e4m3fn. ``scale``: a float32 tensor of one element
     on the input's device, the static scale; without it each row gets its own scale, capped by ``scale_ub`` (a
     float32 tensor of one element) when given. ``weight_offset`` / ``cast_before_weight`` as in
-    :func:`layernorm_ext.layer_norm`. The scales are not checked for being positive and finite (on CUDA that
+    :func:`layernorm_ext.layer_norm`. ``group_size`` (> 0, dividing the row's elements; a 1-D normalized_shape,
+    dynamic scales only): a scale per group of ``group_size`` consecutive elements of a row instead of one per row
+    (vLLM's ``rms_norm_per_block_quant``), shaped as the rows, then the groups; ``scales_column_major`` allocates
+    them transposed (each group's scales of all rows contiguous: vLLM's ``is_scale_transposed``); with
+    ``scales=`` the buffer may be either layout. The scales are not checked for being positive and finite (on CUDA that
     would cost a host sync). ``out=`` / ``scales=`` / ``residual_out=``: write into these buffers instead (see the
     module's doc).
 """
@@ -70,6 +79,11 @@ def _into_only(op: str, out: Tensor | None, **buffers: Tensor | None) -> None:
         for name, buffer in buffers.items():
             if buffer is not None:
                 _fail(op, f"{name}= goes with out= (the codes' buffer)")
+
+
+def _column_major_only_new(op: str, out: Tensor | None, scales_column_major: bool) -> None:
+    if out is not None and scales_column_major:
+        _fail(op, "scales_column_major lays out new scales; with out= the scales= buffer's own layout is written")
 
 
 def _quant_dtype(op: str, quant_dtype: torch.dtype | None, out: Tensor | None) -> torch.dtype:
@@ -87,22 +101,23 @@ def _layer_norm_quant(
     op_name: str, input: Tensor, normalized_shape: ShapeLike, weight: Tensor | None, bias: Tensor | None,
     eps: float, residual: Tensor | None, residual_in_fp32: bool, quant_dtype: torch.dtype | None, scale: Tensor | None,
     scale_ub: Tensor | None, weight_offset: float, cast_before_weight: bool, out: Tensor | None,
-    scales: Tensor | None, residual_out: Tensor | None,
+    scales: Tensor | None, residual_out: Tensor | None, group_size: int, scales_column_major: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The one call of every LayerNorm function: into the buffers (out=) or allocating; (codes, scale, h)."""
     _into_only(op_name, out, scales=scales, residual_out=residual_out)
+    _column_major_only_new(op_name, out, scales_column_major)
     quant_dtype = _quant_dtype(op_name, quant_dtype, out)
     shape = _as_shape(normalized_shape)
     if out is not None:
         _ops.layer_norm_quant_into.default(
             input, shape, weight, bias, eps, out, scale, scales, scale_ub, residual, residual_out, residual_in_fp32,
-            weight_offset, cast_before_weight,
+            weight_offset, cast_before_weight, group_size,
         )  # fmt: skip
         codes = out
     else:
         codes, scales, residual_out = _ops.layer_norm_quant.default(
             input, shape, weight, bias, eps, quant_dtype, scale, scale_ub, residual, residual_in_fp32, weight_offset,
-            cast_before_weight,
+            cast_before_weight, group_size, scales_column_major,
         )  # fmt: skip
     return codes, scale if scale is not None else scales, residual_out  # type: ignore[return-value]
 
@@ -111,22 +126,23 @@ def _rms_norm_quant(
     op_name: str, input: Tensor, normalized_shape: ShapeLike, weight: Tensor | None, eps: float | None,
     residual: Tensor | None, residual_in_fp32: bool, quant_dtype: torch.dtype | None, scale: Tensor | None,
     scale_ub: Tensor | None, weight_offset: float, cast_before_weight: bool, out: Tensor | None,
-    scales: Tensor | None, residual_out: Tensor | None,
+    scales: Tensor | None, residual_out: Tensor | None, group_size: int, scales_column_major: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The one call of every RMSNorm function (see _layer_norm_quant)."""
     _into_only(op_name, out, scales=scales, residual_out=residual_out)
+    _column_major_only_new(op_name, out, scales_column_major)
     quant_dtype = _quant_dtype(op_name, quant_dtype, out)
     shape = _as_shape(normalized_shape)
     if out is not None:
         _ops.rms_norm_quant_into.default(
             input, shape, weight, eps, out, scale, scales, scale_ub, residual, residual_out, residual_in_fp32,
-            weight_offset, cast_before_weight,
+            weight_offset, cast_before_weight, group_size,
         )  # fmt: skip
         codes = out
     else:
         codes, scales, residual_out = _ops.rms_norm_quant.default(
             input, shape, weight, eps, quant_dtype, scale, scale_ub, residual, residual_in_fp32, weight_offset,
-            cast_before_weight,
+            cast_before_weight, group_size, scales_column_major,
         )  # fmt: skip
     return codes, scale if scale is not None else scales, residual_out  # type: ignore[return-value]
 
@@ -143,6 +159,8 @@ def layer_norm_quant(
     scale_ub: Tensor | None = None,
     weight_offset: float = 0.0,
     cast_before_weight: bool = False,
+    group_size: int = 0,
+    scales_column_major: bool = False,
     out: Tensor | None = None,
     scales: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -150,7 +168,7 @@ def layer_norm_quant(
     rows' scales (dynamic)."""
     codes, scale_out, _ = _layer_norm_quant(
         "layer_norm_quant", input, normalized_shape, weight, bias, eps, None, False, quant_dtype, scale, scale_ub,
-        weight_offset, cast_before_weight, out, scales, None,
+        weight_offset, cast_before_weight, out, scales, None, group_size, scales_column_major,
     )  # fmt: skip
     return codes, scale_out
 
@@ -166,6 +184,8 @@ def rms_norm_quant(
     scale_ub: Tensor | None = None,
     weight_offset: float = 0.0,
     cast_before_weight: bool = False,
+    group_size: int = 0,
+    scales_column_major: bool = False,
     out: Tensor | None = None,
     scales: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -173,7 +193,7 @@ def rms_norm_quant(
     ``rms_norm_dynamic_per_token_quant`` without): returns ``(codes, scale)``."""
     codes, scale_out, _ = _rms_norm_quant(
         "rms_norm_quant", input, normalized_shape, weight, eps, None, False, quant_dtype, scale, scale_ub,
-        weight_offset, cast_before_weight, out, scales, None,
+        weight_offset, cast_before_weight, out, scales, None, group_size, scales_column_major,
     )  # fmt: skip
     return codes, scale_out
 
@@ -192,6 +212,8 @@ def add_layer_norm_quant(
     residual_in_fp32: bool = False,
     weight_offset: float = 0.0,
     cast_before_weight: bool = False,
+    group_size: int = 0,
+    scales_column_major: bool = False,
     out: Tensor | None = None,
     scales: Tensor | None = None,
     residual_out: Tensor | None = None,
@@ -200,7 +222,8 @@ def add_layer_norm_quant(
     :func:`layernorm_ext.add_layer_norm`)."""
     return _layer_norm_quant(
         "layer_norm_quant", input, normalized_shape, weight, bias, eps, residual, residual_in_fp32, quant_dtype,
-        scale, scale_ub, weight_offset, cast_before_weight, out, scales, residual_out,
+        scale, scale_ub, weight_offset, cast_before_weight, out, scales, residual_out, group_size,
+        scales_column_major,
     )  # fmt: skip
 
 
@@ -217,6 +240,8 @@ def add_rms_norm_quant(
     residual_in_fp32: bool = False,
     weight_offset: float = 0.0,
     cast_before_weight: bool = False,
+    group_size: int = 0,
+    scales_column_major: bool = False,
     out: Tensor | None = None,
     scales: Tensor | None = None,
     residual_out: Tensor | None = None,
@@ -226,7 +251,8 @@ def add_rms_norm_quant(
     per-row variant): returns ``(codes, scale, h)``."""
     return _rms_norm_quant(
         "rms_norm_quant", input, normalized_shape, weight, eps, residual, residual_in_fp32, quant_dtype, scale,
-        scale_ub, weight_offset, cast_before_weight, out, scales, residual_out,
+        scale_ub, weight_offset, cast_before_weight, out, scales, residual_out, group_size,
+        scales_column_major,
     )  # fmt: skip
 
 

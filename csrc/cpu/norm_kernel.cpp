@@ -344,6 +344,9 @@ void forward_with(const NormForwardParams& p, const RowKernels& k) {
   a.scale = p.scale;
   a.scale_ub = p.scale_ub;
   a.row_scales = p.row_scales;
+  a.group_size = p.group_size;
+  a.scale_row_stride = p.scale_row_stride;
+  a.scale_group_stride = p.scale_group_stride;
   a.row_buffer = nullptr;
   a.input_rows = p.input_rows;
   a.residual_rows = p.residual_rows;

@@ -97,34 +97,18 @@ typedef int32_t IntVec __attribute__((vector_size(kFloatLanes * 4)));
 inline BitsVec bits_of(FloatVec v) { return (BitsVec)v; }  // a vector cast keeps the bits
 inline FloatVec floats_of(BitsVec v) { return (FloatVec)v; }
 
-// quant::to_e4m3fn on every lane.
-inline CodeVec encode_e4m3fn(FloatVec v) {
-  const FloatVec top = broadcast<float>(quant::kFp8Max), bottom = broadcast<float>(-quant::kFp8Max);
-  v = v > top ? top : v;  // NaN lanes compare false both times and pass
-  v = v < bottom ? bottom : v;
-  const BitsVec x = bits_of(v);
-  const BitsVec sign = (x >> 24) & 0x80u;
-  const BitsVec ax = x & 0x7fffffffu;
-  const BitsVec normal = ((ax + 0x7ffffu + ((ax >> 20) & 1u)) >> 20) - (120u << 3);
-  const BitsVec subnormal = bits_of(floats_of(ax) * 512.0f + 8388608.0f) - 0x4b000000u;
-  BitsVec magnitude = ax >= 0x3c800000u ? normal : subnormal;
-  magnitude = ax > 0x7f800000u ? BitsVec{} + 0x7fu : magnitude;
-  return __builtin_convertvector(sign | magnitude, CodeVec);
-}
+// quant::fp8_bits on vectors of floats.
+struct FloatLanes {
+  using Floats = FloatVec;
+  using Bits = BitsVec;
+  static Bits bits(Floats v) { return bits_of(v); }
+  static Floats floats(Bits b) { return floats_of(b); }
+};
 
-// quant::to_e5m2 on every lane.
-inline CodeVec encode_e5m2(FloatVec v) {
-  const FloatVec top = broadcast<float>(quant::kE5m2Max), bottom = broadcast<float>(-quant::kE5m2Max);
-  v = v > top ? top : v;  // NaN lanes compare false both times and pass
-  v = v < bottom ? bottom : v;
-  const BitsVec x = bits_of(v);
-  const BitsVec sign = (x >> 24) & 0x80u;
-  const BitsVec ax = x & 0x7fffffffu;
-  const BitsVec normal = ((ax + 0xfffffu + ((ax >> 21) & 1u)) >> 21) - (112u << 2);
-  const BitsVec subnormal = bits_of(floats_of(ax) * 65536.0f + 8388608.0f) - 0x4b000000u;
-  BitsVec magnitude = ax >= 0x38800000u ? normal : subnormal;
-  magnitude = ax > 0x7f800000u ? BitsVec{} + 0x7fu : magnitude;
-  return __builtin_convertvector(sign | magnitude, CodeVec);
+// quant::to_e4m3fn / to_e5m2 on every lane.
+template <class Format>
+inline CodeVec encode_fp8(FloatVec v) {
+  return __builtin_convertvector(quant::fp8_bits<Format, FloatLanes>(v), CodeVec);
 }
 
 // quant::to_int8 on every lane (as bytes).
@@ -137,8 +121,9 @@ inline CodeVec encode_int8(FloatVec v) {
   return __builtin_convertvector(__builtin_convertvector(rounded, IntVec), CodeVec);
 }
 
-// The quantized output of one normalized row y (out's dtype Y): the row's scale (static, or from its absmax,
-// stored), then the codes, a vector of floats at a time (the tail padded with zeros, which change no absmax).
+// The quantized output of one normalized row y (out's dtype Y): each range of it that shares a scale (the row,
+// or each group of group_size columns) gets its scale (static, or from its absmax, stored), then its codes, a
+// vector of floats at a time (a range's tail padded with zeros, which change no absmax).
 template <class Y, CodeVec (*kEncode)(FloatVec)>
 inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64_t n) {
   constexpr int64_t L = kFloatLanes;
@@ -153,48 +138,62 @@ inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64
       return count == L ? load<float>(y + j) : load_part<float>(y + j, count);
     }
   };
-  float scale;
-  if (a.scale != nullptr) {
-    scale = *a.scale;
-  } else {
+  auto dynamic_scale = [&](int64_t begin, int64_t end) {  // of y[begin, end)
     FloatVec absmax{};
-    for (int64_t j = 0; j < n; j += L) {
-      const FloatVec v = floats_of(bits_of(floats_at(j, min64(L, n - j))) & 0x7fffffffu);
+    for (int64_t j = begin; j < end; j += L) {
+      const FloatVec v = floats_of(bits_of(floats_at(j, min64(L, end - j))) & 0x7fffffffu);
       absmax = (v > absmax) | (v != v) ? v : absmax;  // NaN wins, as quant::nan_max
     }
     float lanes[L];
     std::memcpy(lanes, &absmax, sizeof(lanes));
     float m = 0.0f;
     for (int64_t i = 0; i < L; ++i) m = quant::nan_max(m, lanes[i]);
-    scale = quant::dynamic_scale(m, a.scale_ub, a.quant_code);
+    return quant::dynamic_scale(m, a.scale_ub, a.quant_code);
+  };
+  uint8_t* codes = static_cast<uint8_t*>(a.codes) + a.out_rows.offset(row);
+  auto encode_range = [&](int64_t begin, int64_t end, quant::Scaling scaling) {
+    const FloatVec factor = broadcast<float>(scaling.factor);
+    auto encode_all = [&](auto divide_tag) {  // quant::scaled on every lane, the branch out of the loop
+      auto encode = [&](int64_t j, int64_t count) {
+        const FloatVec values = floats_at(j, count);
+        const CodeVec c = kEncode(decltype(divide_tag)::value ? values / factor : values * factor);
+        std::memcpy(codes + j, &c, static_cast<size_t>(count));
+      };
+      int64_t j = begin;
+      for (; j + L <= end; j += L) encode(j, L);
+      if (j < end) encode(j, end - j);
+    };
+    if (scaling.divide) {
+      encode_all(std::true_type{});
+    } else {
+      encode_all(std::false_type{});
+    }
+  };
+  if (a.group_size > 0) {
+    float* scales = a.row_scales + row * a.scale_row_stride;
+    for (int64_t group = 0, begin = 0; begin < n; ++group, begin += a.group_size) {
+      const float scale = dynamic_scale(begin, begin + a.group_size);
+      scales[group * a.scale_group_stride] = scale;
+      encode_range(begin, begin + a.group_size, quant::group_scaling(scale));
+    }
+    return;
+  }
+  float scale;
+  if (a.scale != nullptr) {
+    scale = *a.scale;
+  } else {
+    scale = dynamic_scale(0, n);
     a.row_scales[row] = scale;
   }
-  const quant::Scaling scaling = quant::scaling(scale, a.scale != nullptr, a.quant_code);
-  uint8_t* codes = static_cast<uint8_t*>(a.codes) + a.out_rows.offset(row);
-  const FloatVec factor = broadcast<float>(scaling.factor);
-  auto encode_all = [&](auto divide_tag) {  // quant::scaled on every lane, the branch out of the loop
-    auto encode = [&](int64_t j, int64_t count) {
-      const FloatVec values = floats_at(j, count);
-      const CodeVec c = kEncode(decltype(divide_tag)::value ? values / factor : values * factor);
-      std::memcpy(codes + j, &c, static_cast<size_t>(count));
-    };
-    int64_t j = 0;
-    for (; j + L <= n; j += L) encode(j, L);
-    if (j < n) encode(j, n - j);
-  };
-  if (scaling.divide) {
-    encode_all(std::true_type{});
-  } else {
-    encode_all(std::false_type{});
-  }
+  encode_range(0, n, quant::scaling(scale, a.scale != nullptr, a.quant_code));
 }
 
 template <class Y>
 inline void quantize_row(const ForwardRows& a, int64_t row, const Y* y, int64_t n) {
   switch (a.quant_code) {
     case quant::Code::kInt8: return quantize_row_as<Y, &encode_int8>(a, row, y, n);
-    case quant::Code::kE5m2: return quantize_row_as<Y, &encode_e5m2>(a, row, y, n);
-    default: return quantize_row_as<Y, &encode_e4m3fn>(a, row, y, n);
+    case quant::Code::kE5m2: return quantize_row_as<Y, &encode_fp8<quant::E5m2>>(a, row, y, n);
+    default: return quantize_row_as<Y, &encode_fp8<quant::E4m3fn>>(a, row, y, n);
   }
 }
 

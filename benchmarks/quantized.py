@@ -1,0 +1,79 @@
+"""Quantized output (issue 27): our fused norm + quantize against the unfused composite (our norm, then torch ops
+computing the same codes: absmax, scale, multiply / divide, clamp, cast), per row and per group, CPU, one thread,
+the median of --repeats timings of one call, no grad. The composite's codes are checked equal to ours first.
+
+    python benchmarks/quantized.py [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import layernorm_ext as L
+
+QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+MIN_SCALE = {torch.float8_e4m3fn: 1.0 / (448.0 * 512.0), torch.int8: float(torch.finfo(torch.float32).eps)}
+
+
+def median_us(fn: Callable[[], object], repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def composite(x: torch.Tensor, w: torch.Tensor, quant_dtype: torch.dtype, group_size: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm, then the dynamic scales and codes in torch ops (per row: y / scale for fp8, y * (1 / scale) for
+    int8, as vLLM; per group: y * (1 / scale))."""
+    y = L.rms_norm(x, x.shape[-1], w, 1e-6).float()
+    groups = y.unflatten(-1, (-1, group_size if group_size else y.shape[-1]))
+    scale = (groups.abs().amax(-1, keepdim=True) / QMAX[quant_dtype]).clamp_min(MIN_SCALE[quant_dtype])
+    divide = group_size == 0 and quant_dtype == torch.float8_e4m3fn
+    v = (groups / scale if divide else groups * scale.reciprocal()).flatten(-2)
+    if quant_dtype == torch.int8:
+        codes = v.nan_to_num(0.0).clamp(-128, 127).round().to(torch.int8)
+    else:
+        codes = v.clamp(-448.0, 448.0).to(quant_dtype)
+    return codes, scale.squeeze(-1) if group_size else scale.view(-1, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print("| shape | scales | codes | fused (us) | composite (us) | composite / fused |")
+    print("|---|---|---|---|---|---|")
+    for rows, cols in ((64, 4096), (2048, 4096)):
+        x = torch.randn(rows, cols, dtype=torch.bfloat16)
+        w = torch.randn(cols, dtype=torch.bfloat16)
+        for group_size in (0, 128):
+            for quant_dtype in (torch.float8_e4m3fn, torch.int8):
+                def fused() -> tuple[torch.Tensor, torch.Tensor]:
+                    return L.rms_norm_quant(x, cols, w, 1e-6, quant_dtype=quant_dtype, group_size=group_size)
+
+                def unfused() -> tuple[torch.Tensor, torch.Tensor]:
+                    return composite(x, w, quant_dtype, group_size)
+
+                with torch.no_grad():
+                    (codes, scales), (want_codes, want_scales) = fused(), unfused()
+                    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+                    assert torch.equal(scales, want_scales)
+                    ours, theirs = median_us(fused, args.repeats), median_us(unfused, args.repeats)
+                kind = f"per group of {group_size}" if group_size else "per row"
+                print(f"| {rows}x{cols} bf16 | {kind} | {str(quant_dtype).removeprefix('torch.')} | {ours:.0f} | "
+                      f"{theirs:.0f} | {theirs / ours:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
