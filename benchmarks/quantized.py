@@ -8,27 +8,18 @@ the median of --repeats timings of one call, no grad. The composite's codes are 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 
 import torch
 
 import layernorm_ext as L
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from strided import median_us  # noqa: E402
+
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 MIN_SCALE = {torch.float8_e4m3fn: 1.0 / (448.0 * 512.0), torch.int8: float(torch.finfo(torch.float32).eps)}
-
-
-def median_us(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
 
 
 def composite(x: torch.Tensor, w: torch.Tensor, quant_dtype: torch.dtype, group_size: int

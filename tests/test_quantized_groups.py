@@ -17,7 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import layernorm_ext as L
 from test_inference_ops import _args
 from test_inference_ops import _functional as _unquantized
-from test_quantized import BF16, DTYPES, FNS, I8, MIN_SCALE, QMAX, QUANT_DTYPES, QUANT_IDS, _SHORT, _same_bits, encode
+from test_quantized import (BF16, DTYPES, FNS, I8, MIN_SCALE, QMAX, QUANT_DTYPES, QUANT_IDS, _SHORT, _quantized,
+                            _same_bits, encode)
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")
 
@@ -39,17 +40,6 @@ def reference_group_quant(y: Tensor, group_size: int, quant_dtype: torch.dtype, 
     scales = torch.where(s < floor, floor, s)
     codes = encode((groups * torch.reciprocal(scales)[..., None]).flatten(-2), quant_dtype)
     return codes, scales
-
-
-def _quantized(fn: str, a: dict[str, Tensor | None], **kw: object) -> tuple[Tensor, Tensor, Tensor | None]:
-    x, r, w, b, n = a["x"], a["r"], a["w"], a["b"], a["x"].shape[-1]
-    if fn == "layer_norm":
-        return (*L.layer_norm_quant(x, n, w, b, **kw), None)
-    if fn == "rms_norm":
-        return (*L.rms_norm_quant(x, n, w, **kw), None)
-    if fn == "add_layer_norm":
-        return L.add_layer_norm_quant(x, r, n, w, b, **kw)
-    return L.add_rms_norm_quant(x, r, n, w, **kw)
 
 
 def _cases() -> list:
