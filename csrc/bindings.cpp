@@ -68,17 +68,18 @@ static void define_schemas(torch::Library& m) {
   // absmax, capped by scale_ub, returned as scales (shaped as the rows, 1 for each normalized dim; [0] for a
   // static scale); with group_size > 0 a dynamic scale per group of group_size columns instead (shaped as the
   // rows, then the groups; scales_column_major: each group's scales of all rows contiguous, vLLM's transposed
-  // layout). residual_out is h with a residual ([0] without). No statistics, no autograd (inference ops).
+  // layout); scales_dtype float8_e8m0fnu makes them MX block scales (powers of two, OCP MX: MXFP8 with
+  // group_size 32), float32 otherwise (with scales=, the buffer's dtype). residual_out is h with a residual ([0] without). No statistics, no autograd (inference ops).
   m.def(
       "layer_norm_quant(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
       "ScalarType quant_dtype, Tensor? scale=None, Tensor? scale_ub=None, Tensor? residual=None, "
       "bool residual_in_fp32=False, float weight_offset=0., bool cast_before_weight=False, int group_size=0, "
-      "bool scales_column_major=False) -> (Tensor out, Tensor scales, Tensor residual_out)");
+      "bool scales_column_major=False, ScalarType? scales_dtype=None) -> (Tensor out, Tensor scales, Tensor residual_out)");
   m.def(
       "rms_norm_quant(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps, ScalarType quant_dtype, "
       "Tensor? scale=None, Tensor? scale_ub=None, Tensor? residual=None, bool residual_in_fp32=False, "
-      "float weight_offset=0., bool cast_before_weight=False, int group_size=0, bool scales_column_major=False) "
-      "-> (Tensor out, Tensor scales, Tensor residual_out)");
+      "float weight_offset=0., bool cast_before_weight=False, int group_size=0, bool scales_column_major=False, "
+      "ScalarType? scales_dtype=None) -> (Tensor out, Tensor scales, Tensor residual_out)");
   // The same into the caller's buffers (vLLM's out= convention): out holds the codes (its dtype is the quantized
   // one), scales the dynamic per-row scales (given exactly when scale is not), residual_out h (with a residual;
   // it may be residual itself: vLLM's fused add updates the residual in place).

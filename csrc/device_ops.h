@@ -80,10 +80,11 @@ struct DeviceOps {
                                                          const OptTensor& scale_ub, const OptTensor& residual,
                                                          bool residual_in_fp32, double weight_offset,
                                                          bool cast_before_weight, int64_t group_size,
-                                                         bool scales_column_major) {
+                                                         bool scales_column_major,
+                                                         std::optional<ScalarType> scales_dtype) {
     return layer_norm_quant(input, shape, weight, bias, eps, quant_dtype, scale, scale_ub, residual,
                             residual_in_fp32, weight_offset, cast_before_weight, group_size, scales_column_major,
-                            kForward);
+                            scales_dtype, kForward);
   }
 
   static std::tuple<Tensor, Tensor, Tensor> rms_norm_q(const Tensor& input, c10::SymIntArrayRef shape,
@@ -92,9 +93,10 @@ struct DeviceOps {
                                                        const OptTensor& scale_ub, const OptTensor& residual,
                                                        bool residual_in_fp32, double weight_offset,
                                                        bool cast_before_weight, int64_t group_size,
-                                                       bool scales_column_major) {
+                                                       bool scales_column_major,
+                                                       std::optional<ScalarType> scales_dtype) {
     return rms_norm_quant(input, shape, weight, eps, quant_dtype, scale, scale_ub, residual, residual_in_fp32,
-                          weight_offset, cast_before_weight, group_size, scales_column_major, kForward);
+                          weight_offset, cast_before_weight, group_size, scales_column_major, scales_dtype, kForward);
   }
 
   static void layer_norm_q_into(const Tensor& input, c10::SymIntArrayRef shape, const OptTensor& weight,

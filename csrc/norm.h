@@ -58,8 +58,9 @@ void check_scales_buffer(const char* op, const Tensor& input, bool static_scale,
                          at::IntArrayRef scale_shape);
 // Per-group scales (group_size > 0): dynamic only (no scale=), a 1-D normalized_shape whose cols it divides;
 // scales_column_major only with it.
+// scales_dtype: float32, or float8_e8m0fnu (MX block scales: with a group_size and float8 codes).
 void check_group_size(const char* op, at::IntArrayRef normalized_shape, int64_t group_size, bool static_scale,
-                      bool scales_column_major);
+                      bool scales_column_major, ScalarType scales_dtype, ScalarType quant_dtype);
 // Where a scales= buffer of per-group scales (rows x groups, dims as scale_shape) puts row r's group g:
 // r * row_stride + g * group_stride. Row-major (contiguous) or column-major (each group's rows contiguous, the
 // groups any stride apart: vLLM's transposed scales, padded rows included); anything else is refused.
@@ -67,7 +68,7 @@ struct GroupScalesLayout {
   int64_t row_stride, group_stride;
 };
 GroupScalesLayout check_group_scales_buffer(const char* op, const Tensor& input, const OptTensor& scales,
-                                            at::IntArrayRef scale_shape);
+                                            at::IntArrayRef scale_shape, ScalarType scales_dtype);
 // An out= buffer must not share memory with what the op reads.
 void check_no_overlap(const char* op, const char* name, const Tensor& dest, const char* other_name,
                       const Tensor& other);
@@ -138,14 +139,16 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_quant(const Tensor& input, c10::Sy
                                                     const OptTensor& scale_ub, const OptTensor& residual,
                                                     bool residual_in_fp32, double weight_offset,
                                                     bool cast_before_weight, int64_t group_size,
-                                                    bool scales_column_major, ForwardLauncher launch);
+                                                    bool scales_column_major,
+                                                    std::optional<ScalarType> scales_dtype, ForwardLauncher launch);
 std::tuple<Tensor, Tensor, Tensor> rms_norm_quant(const Tensor& input, c10::SymIntArrayRef normalized_shape,
                                                   const OptTensor& weight, std::optional<double> eps,
                                                   ScalarType quant_dtype, const OptTensor& scale,
                                                   const OptTensor& scale_ub, const OptTensor& residual,
                                                   bool residual_in_fp32, double weight_offset,
                                                   bool cast_before_weight, int64_t group_size,
-                                                  bool scales_column_major, ForwardLauncher launch);
+                                                  bool scales_column_major,
+                                                    std::optional<ScalarType> scales_dtype, ForwardLauncher launch);
 // The same into the caller's buffers: out (the codes: its dtype, float8_e4m3fn, float8_e5m2 or int8, is the quantized dtype),
 // scales (dynamic scale only), residual_out (with a residual; it may be residual itself: h in place).
 void layer_norm_quant_into(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,

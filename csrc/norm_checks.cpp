@@ -230,9 +230,17 @@ void check_scales_buffer(const char* op, const Tensor& input, bool static_scale,
 }
 
 void check_group_size(const char* op, at::IntArrayRef normalized_shape, int64_t group_size, bool static_scale,
-                      bool scales_column_major) {
+                      bool scales_column_major, ScalarType scales_dtype, ScalarType quant_dtype) {
   TORCH_CHECK(group_size >= 0, op, ": expected group_size to be positive (or 0: a scale per row), but got ",
               group_size);
+  TORCH_CHECK(scales_dtype == ScalarType::Float || scales_dtype == ScalarType::Float8_e8m0fnu, op,
+              ": expected scales_dtype to be torch.float32 or torch.float8_e8m0fnu (MX block scales), but got ",
+              scales_dtype);
+  if (scales_dtype == ScalarType::Float8_e8m0fnu) {
+    TORCH_CHECK(group_size > 0, op, ": float8_e8m0fnu scales are MX block scales, so they need a group_size");
+    TORCH_CHECK(quant_dtype != ScalarType::Char, op,
+                ": MX block scales (float8_e8m0fnu) go with float8 codes, but got codes of dtype ", quant_dtype);
+  }
   if (group_size == 0) {
     TORCH_CHECK(!scales_column_major, op, ": scales_column_major lays out per-group scales, so it needs a group_size");
     return;
@@ -246,10 +254,10 @@ void check_group_size(const char* op, at::IntArrayRef normalized_shape, int64_t 
 }
 
 GroupScalesLayout check_group_scales_buffer(const char* op, const Tensor& input, const OptTensor& scales,
-                                            at::IntArrayRef scale_shape) {
+                                            at::IntArrayRef scale_shape, ScalarType scales_dtype) {
   TORCH_CHECK(scales.has_value(), op,
               ": a dynamic scale (no scale=) needs a scales= buffer for the per-group scales of shape ", scale_shape);
-  check_destination_shape(op, "scales", input, *scales, ScalarType::Float, scale_shape);
+  check_destination_shape(op, "scales", input, *scales, scales_dtype, scale_shape);
   const int64_t groups = scale_shape.back();
   const int64_t rows = c10::multiply_integers(scale_shape.begin(), scale_shape.end() - 1);
   if (scales->is_contiguous() || groups == 0 || rows == 0) return {groups, 1};

@@ -114,6 +114,7 @@ struct QuantRequest {
   OptTensor scales_out;  // with caller's buffers (Destination::out): where the dynamic scales go
   int64_t group_size = 0;            // > 0: a dynamic scale per group of columns
   bool scales_column_major = false;  // (new scales, per group) each group's scales of all rows contiguous
+  std::optional<ScalarType> scales_dtype;  // (new scales) float32 (default) or float8_e8m0fnu (MX, per group)
 };
 
 // Where a forward writes: new tensors with the statistics (the ops autograd saves from), or the caller's
@@ -142,9 +143,18 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   const bool given = dest.out.has_value();
   const QuantRequest* quant = dest.quant;
   const int64_t group_size = quant != nullptr ? quant->group_size : 0;
+  ScalarType scales_dtype = ScalarType::Float;
   if (quant != nullptr) {
     check_quant_args(op, input_arg, quant->dtype, quant->scale, quant->scale_ub, given);
-    check_group_size(op, normalized_shape, group_size, quant->scale.has_value(), quant->scales_column_major);
+    // The scales' dtype: as asked for new scales; per group into a buffer, the buffer's (MX or float32).
+    if (quant->scales_dtype.has_value()) {
+      scales_dtype = *quant->scales_dtype;
+    } else if (group_size > 0 && quant->scales_out.has_value() &&
+               quant->scales_out->scalar_type() == ScalarType::Float8_e8m0fnu) {
+      scales_dtype = ScalarType::Float8_e8m0fnu;
+    }
+    check_group_size(op, normalized_shape, group_size, quant->scale.has_value(), quant->scales_column_major,
+                     scales_dtype, quant->dtype);
     TORCH_CHECK_NOT_IMPLEMENTED(group_size == 0 || input_arg.is_cpu(), op,
                                 ": group_size (per-group scales) has a CPU kernel only so far, but got an input on ",
                                 input_arg.device());
@@ -166,7 +176,7 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     check_destination(op, out_name, input_arg, *dest.out, normalized_ndim,
                       quant != nullptr ? quant->dtype : input_arg.scalar_type());
     if (group_size > 0) {
-      group_layout = check_group_scales_buffer(op, input_arg, quant->scales_out, scale_shape);
+      group_layout = check_group_scales_buffer(op, input_arg, quant->scales_out, scale_shape, scales_dtype);
     } else if (quant != nullptr) {
       check_scales_buffer(op, input_arg, quant->scale.has_value(), quant->scales_out, scale_shape);
     }
@@ -245,10 +255,10 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     if (group_size > 0 && quant->scales_column_major) {
       std::vector<int64_t> groups_first{scale_shape.back()};
       groups_first.insert(groups_first.end(), scale_shape.begin(), scale_shape.end() - 1);
-      r.scales = at::empty(groups_first, input.options().dtype(ScalarType::Float)).movedim(0, -1);
+      r.scales = at::empty(groups_first, input.options().dtype(scales_dtype)).movedim(0, -1);
       group_layout = {1, g.rows};
     } else {
-      r.scales = dynamic_scale ? at::empty(scale_shape, input.options().dtype(ScalarType::Float))
+      r.scales = dynamic_scale ? at::empty(scale_shape, input.options().dtype(scales_dtype))
                                : placeholder(input, ScalarType::Float);
       if (group_size > 0) group_layout = {g.cols / group_size, 1};
     }
@@ -311,7 +321,9 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     p.quant_type = quant->dtype;
     p.scale = scale.has_value() ? scale->data_ptr<float>() : nullptr;
     p.scale_ub = scale_ub.has_value() ? scale_ub->data_ptr<float>() : nullptr;
-    p.row_scales = dynamic_scale ? r.scales.data_ptr<float>() : nullptr;
+    const bool mx = scales_dtype == ScalarType::Float8_e8m0fnu;
+    p.row_scales = dynamic_scale && !mx ? r.scales.data_ptr<float>() : nullptr;
+    p.mx_scales = mx ? static_cast<uint8_t*>(r.scales.data_ptr()) : nullptr;
     p.group_size = group_size;
     p.scale_row_stride = group_layout.row_stride;
     p.scale_group_stride = group_layout.group_stride;
@@ -549,8 +561,9 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_quant(const Tensor& input, c10::Sy
                                                     const OptTensor& scale_ub, const OptTensor& residual,
                                                     bool residual_in_fp32, double weight_offset,
                                                     bool cast_before_weight, int64_t group_size,
-                                                    bool scales_column_major, ForwardLauncher launch) {
-  const QuantRequest quant{quant_dtype, scale, scale_ub, std::nullopt, group_size, scales_column_major};
+                                                    bool scales_column_major,
+                                                    std::optional<ScalarType> scales_dtype, ForwardLauncher launch) {
+  const QuantRequest quant{quant_dtype, scale, scale_ub, std::nullopt, group_size, scales_column_major, scales_dtype};
   Destination dest;
   dest.quant = &quant;
   ForwardResult r = norm_forward("layer_norm_quant", input, normalized_shape, weight, bias, eps, residual,
@@ -564,8 +577,9 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_quant(const Tensor& input, c10::SymI
                                                   const OptTensor& scale_ub, const OptTensor& residual,
                                                   bool residual_in_fp32, double weight_offset,
                                                   bool cast_before_weight, int64_t group_size,
-                                                  bool scales_column_major, ForwardLauncher launch) {
-  const QuantRequest quant{quant_dtype, scale, scale_ub, std::nullopt, group_size, scales_column_major};
+                                                  bool scales_column_major,
+                                                    std::optional<ScalarType> scales_dtype, ForwardLauncher launch) {
+  const QuantRequest quant{quant_dtype, scale, scale_ub, std::nullopt, group_size, scales_column_major, scales_dtype};
   Destination dest;
   dest.quant = &quant;
   ForwardResult r = norm_forward("rms_norm_quant", input, normalized_shape, weight, std::nullopt, eps, residual,

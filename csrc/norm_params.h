@@ -61,6 +61,7 @@ struct NormForwardParams {
   // Per-group dynamic scales (group_size > 0, dividing cols): the scale of row r's group g is at
   // row_scales[r * scale_row_stride + g * scale_group_stride] (row-major or column-major, see norm_checks.cpp).
   int64_t group_size = 0;
+  uint8_t* mx_scales = nullptr;  // per group, float8_e8m0fnu MX scales (quant_math.h) instead of row_scales
   int64_t scale_row_stride = 1;
   int64_t scale_group_stride = 0;
   RowLayout input_rows, residual_rows, out_rows, residual_out_rows;  // out_rows: out's, or codes'

@@ -126,10 +126,12 @@ LNX_QUANT_FN uint8_t encode(Code code, float v) {
   return code == Code::kE5m2 ? to_e5m2(v) : to_e4m3fn(v);
 }
 
+// absmax capped at ub (nullptr: no cap). NaN stays NaN.
+LNX_QUANT_FN float capped(float absmax, const float* ub) { return ub != nullptr && absmax > *ub ? *ub : absmax; }
+
 // A row's dynamic scale from its absmax; ub: the cap (nullptr: none). NaN stays NaN.
 LNX_QUANT_FN float dynamic_scale(float absmax, const float* ub, Code code) {
-  if (ub != nullptr && absmax > *ub) absmax = *ub;
-  const float scale = absmax / code_max(code);
+  const float scale = capped(absmax, ub) / code_max(code);
   return scale < min_scale(code) ? min_scale(code) : scale;
 }
 
@@ -149,6 +151,26 @@ LNX_QUANT_FN Scaling scaling(float scale, bool is_static, Code code) {
 // Per-group scales (vLLM's rms_norm_per_block_quant, every code): y * (1 / scale), the reciprocal rounded once per
 // group.
 LNX_QUANT_FN Scaling group_scaling(float scale) { return {1.0f / scale, false}; }
+
+// MX block scales (OCP Microscaling Formats v1.0, 6.3; group_size 32 makes MXFP8): a power of two X = 2^e with
+// e = floor(log2(absmax)) - emax of the codes' format (8 for e4m3fn, 15 for e5m2), clamped to [-127, 127], stored
+// as float8_e8m0fnu bits (e + 127; a NaN absmax gives 0xff, NaN); codes are y / X (exact: a power of two),
+// saturated by the encoder. floor(log2) is read from the float's exponent bits, so a zero or subnormal absmax
+// takes e = -127, as torchao's MX reference does.
+LNX_QUANT_FN uint8_t mx_scale_bits(float absmax, Code code) {
+  if (absmax != absmax) return 0xffu;
+  const int emax = code == Code::kE5m2 ? 15 : 8;
+  int e = static_cast<int>((float_bits(absmax) >> 23) & 0xffu) - 127 - emax;
+  e = e < -127 ? -127 : (e > 127 ? 127 : e);
+  return static_cast<uint8_t>(e + 127);
+}
+
+// y / 2^e as y * 2^-e (2^127 down to 2^-127, a subnormal float: exact either way); NaN for the NaN scale.
+LNX_QUANT_FN Scaling mx_scaling(uint8_t scale_bits) {
+  if (scale_bits == 0xffu) return {bits_float(0x7fc00000u), false};
+  const int e = static_cast<int>(scale_bits) - 127;
+  return {e == 127 ? bits_float(0x00400000u) : bits_float(static_cast<uint32_t>(127 - e) << 23), false};
+}
 
 LNX_QUANT_FN float scaled(float y, Scaling s) { return s.divide ? y / s.factor : y * s.factor; }
 

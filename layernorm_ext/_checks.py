@@ -139,11 +139,21 @@ def check_quant(
 
 
 def check_group_size(
-    op: str, normalized_shape: Sequence[int], group_size: int, static_scale: bool, scales_column_major: bool
+    op: str, normalized_shape: Sequence[int], group_size: int, static_scale: bool, scales_column_major: bool,
+    scales_dtype: torch.dtype, quant_dtype: torch.dtype,
 ) -> None:
     """check_group_size."""
     if group_size < 0:
         _fail(op, f"expected group_size to be positive (or 0: a scale per row), but got {group_size}")
+    if scales_dtype not in (torch.float32, torch.float8_e8m0fnu):
+        _fail(op, "expected scales_dtype to be torch.float32 or torch.float8_e8m0fnu (MX block scales), but got "
+                  f"{_name(scales_dtype)}")
+    if scales_dtype == torch.float8_e8m0fnu:
+        if group_size == 0:
+            _fail(op, "float8_e8m0fnu scales are MX block scales, so they need a group_size")
+        if quant_dtype == torch.int8:
+            _fail(op, f"MX block scales (float8_e8m0fnu) go with float8 codes, but got codes of dtype "
+                      f"{_name(quant_dtype)}")
     if group_size == 0:
         if scales_column_major:
             _fail(op, "scales_column_major lays out per-group scales, so it needs a group_size")
@@ -158,12 +168,14 @@ def check_group_size(
                   f"group_size={group_size}")
 
 
-def check_group_scales_buffer(op: str, input: Tensor, scales: Tensor | None, scale_shape: Sequence[int]) -> None:
+def check_group_scales_buffer(
+    op: str, input: Tensor, scales: Tensor | None, scale_shape: Sequence[int], scales_dtype: torch.dtype
+) -> None:
     """check_group_scales_buffer: row-major or column-major (each group's scales of all rows contiguous)."""
     if scales is None:
         _fail(op, "a dynamic scale (no scale=) needs a scales= buffer for the per-group scales of shape "
                   f"{_sizes(scale_shape)}")
-    _check_destination_shape(op, "scales", input, scales, torch.float32, scale_shape)
+    _check_destination_shape(op, "scales", input, scales, scales_dtype, scale_shape)
     groups, rows = scale_shape[-1], math.prod(scale_shape[:-1])
     if scales.is_contiguous() or groups == 0 or rows == 0:
         return

@@ -203,22 +203,25 @@ def _fake_quant(
     op: str, input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
     quant_dtype: torch.dtype, scale: Tensor | None, scale_ub: Tensor | None, residual: Tensor | None,
     residual_in_fp32: bool, weight_offset: float, group_size: int, scales_column_major: bool,
+    scales_dtype: torch.dtype | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual, rms=_is_rms(op))
     _checks.check_weight_offset(op, weight, weight_offset)
     _checks.check_quant(op, input, quant_dtype, scale, scale_ub)
-    _checks.check_group_size(op, normalized_shape, group_size, scale is not None, scales_column_major)
+    scales_dtype = torch.float32 if scales_dtype is None else scales_dtype
+    _checks.check_group_size(op, normalized_shape, group_size, scale is not None, scales_column_major, scales_dtype,
+                             quant_dtype)
     h_dtype = input.dtype if residual is None else residual_out_dtype(input, residual, residual_in_fp32)
     codes = input.new_empty(input.shape, dtype=quant_dtype)
     if group_size > 0:
         groups = normalized_shape[0] // group_size
         if scales_column_major:
-            scales = input.new_empty((groups, *stat_shape), dtype=torch.float32).movedim(0, -1)
+            scales = input.new_empty((groups, *stat_shape), dtype=scales_dtype).movedim(0, -1)
         else:
-            scales = input.new_empty((*stat_shape, groups), dtype=torch.float32)
+            scales = input.new_empty((*stat_shape, groups), dtype=scales_dtype)
     else:
         scale_shape = (*stat_shape, *([1] * len(normalized_shape))) if scale is None else (0,)
-        scales = input.new_empty(scale_shape, dtype=torch.float32)
+        scales = input.new_empty(scale_shape, dtype=torch.float32 if scale is not None else scales_dtype)
     residual_out = input.new_empty(input.shape if residual is not None else (0,), dtype=h_dtype)
     return codes, scales, residual_out
 
@@ -229,9 +232,11 @@ def _layer_norm_quant_fake(
     quant_dtype: torch.dtype, scale: Tensor | None = None, scale_ub: Tensor | None = None,
     residual: Tensor | None = None, residual_in_fp32: bool = False, weight_offset: float = 0.0,
     cast_before_weight: bool = False, group_size: int = 0, scales_column_major: bool = False,
+    scales_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return _fake_quant("layer_norm_quant", input, normalized_shape, weight, bias, quant_dtype, scale, scale_ub,
-                       residual, residual_in_fp32, weight_offset, group_size, scales_column_major)  # fmt: skip
+                       residual, residual_in_fp32, weight_offset, group_size, scales_column_major,
+                       scales_dtype)  # fmt: skip
 
 
 @torch.library.register_fake("layernorm_ext::rms_norm_quant")
@@ -240,9 +245,11 @@ def _rms_norm_quant_fake(
     quant_dtype: torch.dtype, scale: Tensor | None = None, scale_ub: Tensor | None = None,
     residual: Tensor | None = None, residual_in_fp32: bool = False, weight_offset: float = 0.0,
     cast_before_weight: bool = False, group_size: int = 0, scales_column_major: bool = False,
+    scales_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return _fake_quant("rms_norm_quant", input, normalized_shape, weight, None, quant_dtype, scale, scale_ub,
-                       residual, residual_in_fp32, weight_offset, group_size, scales_column_major)  # fmt: skip
+                       residual, residual_in_fp32, weight_offset, group_size, scales_column_major,
+                       scales_dtype)  # fmt: skip
 
 
 # The quantized ops into the caller's buffers (out: the codes; scales: the dynamic scales; residual_out: h, which
@@ -257,10 +264,13 @@ def _fake_quant_into(
     stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual, rms=_is_rms(op))
     _checks.check_weight_offset(op, weight, weight_offset)
     _checks.check_quant(op, input, out.dtype, scale, scale_ub, dtype_of_out=True)
-    _checks.check_group_size(op, normalized_shape, group_size, scale is not None, False)
+    mx = group_size > 0 and scales is not None and scales.dtype == torch.float8_e8m0fnu
+    scales_dtype = torch.float8_e8m0fnu if mx else torch.float32
+    _checks.check_group_size(op, normalized_shape, group_size, scale is not None, False, scales_dtype, out.dtype)
     _checks.check_destination(op, "out", input, out, len(normalized_shape), out.dtype)
     if group_size > 0:
-        _checks.check_group_scales_buffer(op, input, scales, (*stat_shape, normalized_shape[0] // group_size))
+        _checks.check_group_scales_buffer(op, input, scales, (*stat_shape, normalized_shape[0] // group_size),
+                                          scales_dtype)
     else:
         _checks.check_scales_buffer(op, input, scale is not None, scales,
                                     (*stat_shape, *([1] * len(normalized_shape))))

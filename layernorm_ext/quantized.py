@@ -35,7 +35,15 @@ Where engines (and vLLM's own kernels) disagree, and what this module does:
 Per group (``group_size``, vLLM's ``rms_norm_per_block_quant``): each group of ``group_size`` consecutive
 elements of a row gets the dynamic scale of its own absmax (as above, capped by ``scale_ub``), and every code is
 ``y * (1 / scale)`` with the group's reciprocal rounded once, whatever the codes' dtype;
-``(codes.float().unflatten(-1, (-1, group_size)) * scales[..., None]).flatten(-2)`` dequantizes.
+``(codes.float().unflatten(-1, (-1, group_size)) * scales[..., None]).flatten(-2)`` dequantizes (``scales.float()``
+for MX scales).
+
+MX block scales (``scales_dtype=torch.float8_e8m0fnu``; OCP Microscaling Formats v1.0, 6.3; MXFP8 with
+``group_size=32``): each group's scale is the power of two ``2^e``, ``e = floor(log2(absmax)) - emax`` (8 for
+float8_e4m3fn codes, 15 for float8_e5m2), clamped to [-127, 127] (a zero group: ``2^-127``; a NaN: the NaN scale),
+and the codes are ``y / 2^e`` saturated to the codes' range (the group's largest values may saturate: the OCP
+rule rounds the exponent down). The scales are in the plain rows x groups layout (row-major or column-major), not
+the swizzled tile layout of the Blackwell scaled matmuls.
 
 ``codes.float() * scale`` dequantizes (the dynamic scales are shaped as the rows with a 1 for each normalized
 dim, so they broadcast). They store no statistics and, like the other inference ops, refuse arguments that
@@ -68,7 +76,9 @@ _ARGS_DOC = """
     dynamic scales only): a scale per group of ``group_size`` consecutive elements of a row instead of one per row
     (vLLM's ``rms_norm_per_block_quant``), shaped as the rows, then the groups; ``scales_column_major`` allocates
     them transposed (each group's scales of all rows contiguous: vLLM's ``is_scale_transposed``); with
-    ``scales=`` the buffer may be either layout. The scales are not checked for being positive and finite (on CUDA that
+    ``scales=`` the buffer may be either layout. ``scales_dtype=torch.float8_e8m0fnu`` (with ``scales=``: a buffer
+    of that dtype) makes them MX block scales, powers of two (OCP MX; MXFP8 is ``group_size=32`` with float8_e4m3fn
+    codes). The scales are not checked for being positive and finite (on CUDA that
     would cost a host sync). ``out=`` / ``scales=`` / ``residual_out=``: write into these buffers instead (see the
     module's doc).
 """
@@ -81,9 +91,12 @@ def _into_only(op: str, out: Tensor | None, **buffers: Tensor | None) -> None:
                 _fail(op, f"{name}= goes with out= (the codes' buffer)")
 
 
-def _column_major_only_new(op: str, out: Tensor | None, scales_column_major: bool) -> None:
+def _new_scales_only(op: str, out: Tensor | None, scales_column_major: bool, scales_dtype: torch.dtype | None
+                     ) -> None:
     if out is not None and scales_column_major:
         _fail(op, "scales_column_major lays out new scales; with out= the scales= buffer's own layout is written")
+    if out is not None and scales_dtype is not None:
+        _fail(op, "scales_dtype is new scales' dtype; with out= the scales= buffer's own dtype is written")
 
 
 def _quant_dtype(op: str, quant_dtype: torch.dtype | None, out: Tensor | None) -> torch.dtype:
@@ -102,10 +115,11 @@ def _layer_norm_quant(
     eps: float, residual: Tensor | None, residual_in_fp32: bool, quant_dtype: torch.dtype | None, scale: Tensor | None,
     scale_ub: Tensor | None, weight_offset: float, cast_before_weight: bool, out: Tensor | None,
     scales: Tensor | None, residual_out: Tensor | None, group_size: int, scales_column_major: bool,
+    scales_dtype: torch.dtype | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The one call of every LayerNorm function: into the buffers (out=) or allocating; (codes, scale, h)."""
     _into_only(op_name, out, scales=scales, residual_out=residual_out)
-    _column_major_only_new(op_name, out, scales_column_major)
+    _new_scales_only(op_name, out, scales_column_major, scales_dtype)
     quant_dtype = _quant_dtype(op_name, quant_dtype, out)
     shape = _as_shape(normalized_shape)
     if out is not None:
@@ -117,7 +131,7 @@ def _layer_norm_quant(
     else:
         codes, scales, residual_out = _ops.layer_norm_quant.default(
             input, shape, weight, bias, eps, quant_dtype, scale, scale_ub, residual, residual_in_fp32, weight_offset,
-            cast_before_weight, group_size, scales_column_major,
+            cast_before_weight, group_size, scales_column_major, scales_dtype,
         )  # fmt: skip
     return codes, scale if scale is not None else scales, residual_out  # type: ignore[return-value]
 
@@ -127,10 +141,11 @@ def _rms_norm_quant(
     residual: Tensor | None, residual_in_fp32: bool, quant_dtype: torch.dtype | None, scale: Tensor | None,
     scale_ub: Tensor | None, weight_offset: float, cast_before_weight: bool, out: Tensor | None,
     scales: Tensor | None, residual_out: Tensor | None, group_size: int, scales_column_major: bool,
+    scales_dtype: torch.dtype | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The one call of every RMSNorm function (see _layer_norm_quant)."""
     _into_only(op_name, out, scales=scales, residual_out=residual_out)
-    _column_major_only_new(op_name, out, scales_column_major)
+    _new_scales_only(op_name, out, scales_column_major, scales_dtype)
     quant_dtype = _quant_dtype(op_name, quant_dtype, out)
     shape = _as_shape(normalized_shape)
     if out is not None:
@@ -142,7 +157,7 @@ def _rms_norm_quant(
     else:
         codes, scales, residual_out = _ops.rms_norm_quant.default(
             input, shape, weight, eps, quant_dtype, scale, scale_ub, residual, residual_in_fp32, weight_offset,
-            cast_before_weight, group_size, scales_column_major,
+            cast_before_weight, group_size, scales_column_major, scales_dtype,
         )  # fmt: skip
     return codes, scale if scale is not None else scales, residual_out  # type: ignore[return-value]
 
@@ -161,6 +176,7 @@ def layer_norm_quant(
     cast_before_weight: bool = False,
     group_size: int = 0,
     scales_column_major: bool = False,
+    scales_dtype: torch.dtype | None = None,
     out: Tensor | None = None,
     scales: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -169,6 +185,7 @@ def layer_norm_quant(
     codes, scale_out, _ = _layer_norm_quant(
         "layer_norm_quant", input, normalized_shape, weight, bias, eps, None, False, quant_dtype, scale, scale_ub,
         weight_offset, cast_before_weight, out, scales, None, group_size, scales_column_major,
+        scales_dtype,
     )  # fmt: skip
     return codes, scale_out
 
@@ -186,6 +203,7 @@ def rms_norm_quant(
     cast_before_weight: bool = False,
     group_size: int = 0,
     scales_column_major: bool = False,
+    scales_dtype: torch.dtype | None = None,
     out: Tensor | None = None,
     scales: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -194,6 +212,7 @@ def rms_norm_quant(
     codes, scale_out, _ = _rms_norm_quant(
         "rms_norm_quant", input, normalized_shape, weight, eps, None, False, quant_dtype, scale, scale_ub,
         weight_offset, cast_before_weight, out, scales, None, group_size, scales_column_major,
+        scales_dtype,
     )  # fmt: skip
     return codes, scale_out
 
@@ -214,6 +233,7 @@ def add_layer_norm_quant(
     cast_before_weight: bool = False,
     group_size: int = 0,
     scales_column_major: bool = False,
+    scales_dtype: torch.dtype | None = None,
     out: Tensor | None = None,
     scales: Tensor | None = None,
     residual_out: Tensor | None = None,
@@ -223,7 +243,7 @@ def add_layer_norm_quant(
     return _layer_norm_quant(
         "layer_norm_quant", input, normalized_shape, weight, bias, eps, residual, residual_in_fp32, quant_dtype,
         scale, scale_ub, weight_offset, cast_before_weight, out, scales, residual_out, group_size,
-        scales_column_major,
+        scales_column_major, scales_dtype,
     )  # fmt: skip
 
 
@@ -242,6 +262,7 @@ def add_rms_norm_quant(
     cast_before_weight: bool = False,
     group_size: int = 0,
     scales_column_major: bool = False,
+    scales_dtype: torch.dtype | None = None,
     out: Tensor | None = None,
     scales: Tensor | None = None,
     residual_out: Tensor | None = None,
@@ -252,7 +273,7 @@ def add_rms_norm_quant(
     return _rms_norm_quant(
         "rms_norm_quant", input, normalized_shape, weight, eps, residual, residual_in_fp32, quant_dtype, scale,
         scale_ub, weight_offset, cast_before_weight, out, scales, residual_out, group_size,
-        scales_column_major,
+        scales_column_major, scales_dtype,
     )  # fmt: skip
 
 

@@ -177,7 +177,7 @@ def _layer_norm_quant(
     input: Any, normalized_shape: Sequence[int], weight: Any, bias: Any, eps: float, quant_dtype: Any,
     scale: Any = None, scale_ub: Any = None, residual: Any = None, residual_in_fp32: bool = False,
     weight_offset: float = 0.0, cast_before_weight: bool = False, group_size: int = 0,
-    scales_column_major: bool = False,
+    scales_column_major: bool = False, scales_dtype: Any = None,
 ) -> Strategies:
     from torch.distributed.tensor import Replicate
 
@@ -193,7 +193,7 @@ def _rms_norm_quant(
     input: Any, normalized_shape: Sequence[int], weight: Any, eps: float | None, quant_dtype: Any,
     scale: Any = None, scale_ub: Any = None, residual: Any = None, residual_in_fp32: bool = False,
     weight_offset: float = 0.0, cast_before_weight: bool = False, group_size: int = 0,
-    scales_column_major: bool = False,
+    scales_column_major: bool = False, scales_dtype: Any = None,
 ) -> Strategies:
     from torch.distributed.tensor import Replicate
 

@@ -245,3 +245,104 @@ def test_into_allocates_nothing() -> None:
 
     x, w = a["x"], a["w"]
     assert allocations(lambda: L.rms_norm_quant(x, 512, w, group_size=128, out=out, scales=scales)) == 0
+
+
+# ---- MX block scales (scales_dtype=torch.float8_e8m0fnu: OCP Microscaling, MXFP8 with group_size 32) -----------
+E8M0 = torch.float8_e8m0fnu
+_EMAX = {FP8: 8, E5M2: 15}
+
+
+def reference_mx(y: Tensor, group_size: int, quant_dtype: torch.dtype, scale_ub: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor]:
+    """codes and float8_e8m0fnu scales of y by the OCP MX rule: e = floor(log2(absmax)) - emax, clamped to
+    [-127, 127], codes y / 2^e saturated."""
+    groups = y.float().unflatten(-1, (-1, group_size))
+    absmax = groups.abs().amax(dim=-1)
+    if scale_ub is not None:
+        absmax = torch.where(absmax > scale_ub, scale_ub, absmax)
+    floor_log2 = ((absmax.view(torch.int32) >> 23) & 0xFF) - 127
+    e = (floor_log2 - _EMAX[quant_dtype]).clamp(-127, 127)
+    nan = absmax.isnan()
+    scales = torch.where(nan, 255, e + 127).to(torch.uint8).view(E8M0)
+    # 2^-e from its bits (2^-127 is a subnormal float)
+    factor = torch.where(e == 127, 0x00400000, (127 - e) << 23).to(torch.int32).view(F32)
+    factor = torch.where(nan, float("nan"), factor)
+    return encode((groups * factor[..., None]).flatten(-2), quant_dtype), scales
+
+
+@pytest.mark.parametrize("quant_dtype", [FP8, E5M2], ids=["fp8", "e5m2"])
+@pytest.mark.parametrize(("cols", "group_size"), [(32, 32), (96, 32), (7, 7), (5125, 125)])
+@pytest.mark.parametrize("fn", FNS)
+@pytest.mark.parametrize("dtype", [BF16, F32, torch.float16], ids=["bf16", "f32", "f16"])
+def test_mx_codes_and_scales_are_the_ocp_rule(
+    dtype: torch.dtype, fn: str, cols: int, group_size: int, quant_dtype: torch.dtype
+) -> None:
+    a = _args(fn, dtype, dtype, cols)
+    y, h = _unquantized(fn, a)
+    codes, scales, got_h = _quantized(fn, a, quant_dtype=quant_dtype, group_size=group_size, scales_dtype=E8M0)
+    want_codes, want_scales = reference_mx(y, group_size, quant_dtype)
+    _same_bits(codes, want_codes, "codes")
+    assert scales.dtype == E8M0 and torch.equal(scales.view(torch.uint8), want_scales.view(torch.uint8))
+    # the scale is a power of two that puts the group's absmax in [2^emax, 2^(emax + 1))
+    absmax = y.float().unflatten(-1, (-1, group_size)).abs().amax(-1)
+    ratio = absmax / scales.float()
+    finite = absmax > 2.0**-100
+    assert bool(((ratio[finite] >= 2.0 ** _EMAX[quant_dtype]) & (ratio[finite] < 2.0 ** (_EMAX[quant_dtype] + 1))).all())
+    if h is not None:
+        _same_bits(got_h, h, "residual_out")
+
+
+def test_mx_special_groups_and_buffers() -> None:
+    """Zero group: 2^-127 and zero codes; NaN group: the NaN scale (0xff) and NaN codes; an infinity: its group's
+    exponent clamps at 2^120 and the infinity saturates. Into a column-major float8_e8m0fnu buffer: the same."""
+    w = torch.linspace(0.5, 2.0, 128)
+    w[0:32] = 0.0
+    w[40] = float("nan")
+    w[70] = float("inf")
+    x = torch.ones(3, 128)
+    codes, scales = L.rms_norm_quant(x, 128, w, 0.0, group_size=32, scales_dtype=E8M0)
+    bits = scales.view(torch.uint8)
+    assert bool((bits[:, 0] == 0).all()) and not bool(codes[:, :32].float().any())
+    assert bool((bits[:, 1] == 255).all()) and bool(codes[:, 32:64].float().isnan().all())
+    assert bool((bits[:, 2] == 247).all()) and bool((codes[:, 70].float() == 448.0).all())
+    want_codes, want_scales = reference_mx(L.rms_norm(x, 128, w, 0.0), 32, FP8)
+    _same_bits(codes, want_codes, "codes")
+    out, buffer = torch.empty(3, 128, dtype=FP8), torch.empty(4, 3, dtype=E8M0).t()
+    L.rms_norm_quant(x, 128, w, 0.0, group_size=32, out=out, scales=buffer)
+    _same_bits(out, want_codes, "codes into out")
+    assert torch.equal(buffer.view(torch.uint8), want_scales.view(torch.uint8))
+
+
+def _bad_mx_calls() -> list:
+    x, w = torch.randn(3, 64), torch.randn(64)
+    return [
+        pytest.param(lambda: L.rms_norm_quant(x, 64, w, scales_dtype=E8M0),
+                     "rms_norm_quant: float8_e8m0fnu scales are MX block scales, so they need a group_size",
+                     id="no-group"),
+        pytest.param(lambda: L.rms_norm_quant(x, 64, w, quant_dtype=I8, group_size=32, scales_dtype=E8M0),
+                     r"MX block scales \(float8_e8m0fnu\) go with float8 codes, but got codes of dtype Char",
+                     id="int8"),
+        pytest.param(lambda: L.rms_norm_quant(x, 64, w, group_size=32, scales_dtype=torch.float16),
+                     r"expected scales_dtype to be torch.float32 or torch.float8_e8m0fnu \(MX block scales\), but got "
+                     "Half", id="dtype"),
+        pytest.param(lambda: L.rms_norm_quant(x, 64, w, group_size=32, out=torch.empty(3, 64, dtype=FP8),
+                                              scales=torch.empty(3, 2, dtype=torch.float16)),
+                     r"expected scales of shape \[3, 2\] and dtype Float, but got scales of shape \[3, 2\] and dtype "
+                     "Half", id="buffer-dtype"),
+    ]
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
+@pytest.mark.parametrize(("call", "match"), _bad_mx_calls())
+def test_bad_mx_arguments_are_refused(call, match: str, fake: bool) -> None:
+    context = FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.no_grad()
+    with context, pytest.raises(RuntimeError, match=match):
+        call()
+
+
+def test_mx_opcheck() -> None:
+    gen = torch.Generator().manual_seed(23)
+    x, w = torch.randn(3, 64, generator=gen).bfloat16(), torch.randn(64, generator=gen).bfloat16()
+    torch.library.opcheck(_ops.rms_norm_quant.default,
+                          (x, [64], w, None, FP8, None, None, None, False, 0.0, False, 32, True, E8M0),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))

@@ -47,6 +47,7 @@ struct ForwardRows {
   const float* scale_ub;  // nullptr: no cap
   float* row_scales;
   int64_t group_size;  // > 0: a dynamic scale per group of columns (NormForwardParams)
+  uint8_t* mx_scales;  // with group_size: float8_e8m0fnu scales instead of row_scales
   int64_t scale_row_stride, scale_group_stride;
   void* row_buffer;
   RowLayout input_rows, residual_rows, residual_out_rows, out_rows;

@@ -138,7 +138,7 @@ inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64
       return count == L ? load<float>(y + j) : load_part<float>(y + j, count);
     }
   };
-  auto dynamic_scale = [&](int64_t begin, int64_t end) {  // of y[begin, end)
+  auto absmax_of = [&](int64_t begin, int64_t end) {  // of y[begin, end)
     FloatVec absmax{};
     for (int64_t j = begin; j < end; j += L) {
       const FloatVec v = floats_of(bits_of(floats_at(j, min64(L, end - j))) & 0x7fffffffu);
@@ -148,7 +148,7 @@ inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64
     std::memcpy(lanes, &absmax, sizeof(lanes));
     float m = 0.0f;
     for (int64_t i = 0; i < L; ++i) m = quant::nan_max(m, lanes[i]);
-    return quant::dynamic_scale(m, a.scale_ub, a.quant_code);
+    return m;
   };
   uint8_t* codes = static_cast<uint8_t*>(a.codes) + a.out_rows.offset(row);
   auto encode_range = [&](int64_t begin, int64_t end, quant::Scaling scaling) {
@@ -170,11 +170,20 @@ inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64
     }
   };
   if (a.group_size > 0) {
-    float* scales = a.row_scales + row * a.scale_row_stride;
+    const int64_t first = row * a.scale_row_stride;
     for (int64_t group = 0, begin = 0; begin < n; ++group, begin += a.group_size) {
-      const float scale = dynamic_scale(begin, begin + a.group_size);
-      scales[group * a.scale_group_stride] = scale;
-      encode_range(begin, begin + a.group_size, quant::group_scaling(scale));
+      const float absmax = absmax_of(begin, begin + a.group_size);
+      quant::Scaling scaling;
+      if (a.mx_scales != nullptr) {
+        const uint8_t bits = quant::mx_scale_bits(quant::capped(absmax, a.scale_ub), a.quant_code);
+        a.mx_scales[first + group * a.scale_group_stride] = bits;
+        scaling = quant::mx_scaling(bits);
+      } else {
+        const float scale = quant::dynamic_scale(absmax, a.scale_ub, a.quant_code);
+        a.row_scales[first + group * a.scale_group_stride] = scale;
+        scaling = quant::group_scaling(scale);
+      }
+      encode_range(begin, begin + a.group_size, scaling);
     }
     return;
   }
@@ -182,7 +191,7 @@ inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64
   if (a.scale != nullptr) {
     scale = *a.scale;
   } else {
-    scale = dynamic_scale(0, n);
+    scale = quant::dynamic_scale(absmax_of(0, n), a.scale_ub, a.quant_code);
     a.row_scales[row] = scale;
   }
   encode_range(0, n, quant::scaling(scale, a.scale != nullptr, a.quant_code));
