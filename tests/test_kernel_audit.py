@@ -138,9 +138,10 @@ def test_plan_forward(dtype, cols, kernel, lanes, rows_per_block, packs):
 
 
 def test_plan_forward_stages_a_long_row_where_it_fits():
-    staged = _plan(cols=32768)
-    assert staged["staged"] and staged["dynamic_shared"] == 32768 * 4 and staged["kernel"].startswith("forward_long")
-    unstaged = _plan(cols=32768, max_shared_per_block=100 * 1024)
+    staged = _plan(cols=32768)  # staged in the rows' own dtype: 2 bytes a bfloat16 column
+    assert staged["staged"] and staged["dynamic_shared"] == 32768 * 2 and staged["kernel"].startswith("forward_long")
+    assert _plan(cols=65536)["staged"] and _plan(cols=65536, input_dtype="float32")["dynamic_shared"] == 0
+    unstaged = _plan(cols=65536, max_shared_per_block=100 * 1024)
     assert not unstaged["staged"] and unstaged["dynamic_shared"] == 0
 
 

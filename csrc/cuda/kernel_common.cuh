@@ -370,6 +370,37 @@ __device__ __forceinline__ Stat row_allreduce_one_barrier(Stat s, int lanes, Sta
   return s;
 }
 
+// A part of a row (a thread's values, a warp's) as sums about a shift of its own: its count, the shift, and the
+// sums of d = h - shift and of d^2, in double. Parts with different shifts merge without a division
+// (merge_shifted_moments): the long forward's float statistics, each thread's about its own first values.
+struct ShiftedMoments {
+  double n, shift, s1, s2;
+};
+
+// The sums of n values about `shift` (s1 = sum(d), s2 = sum(d^2)) recentred on `centre`, exactly as algebra:
+// with delta = shift - centre, sum(d + delta) = s1 + n delta and sum((d + delta)^2) = s2 + delta (s1 + s1').
+__device__ __forceinline__ void recentre(double n, double shift, double centre, double& s1, double& s2) {
+  const double delta = shift - centre;
+  const double moved = s1 + n * delta;
+  s2 += delta * (s1 + moved);
+  s1 = moved;
+}
+
+// The row's mean and M2 from `parts` ShiftedMoments in shared memory (parts <= 32): mean = sum(n shift + s1) /
+// cols, M2 = sum(s2 + dev (2 s1 + n dev)) with dev = shift - mean. Lane w of each group of pow2(parts) lanes
+// takes part w and the group adds with butterflies: every thread gets the same bits; one barrier per row (the
+// caller's, before).
+__device__ __forceinline__ void merge_shifted_moments(const ShiftedMoments* scratch, int parts, double inv_cols,
+                                                      double& mean, double& m2) {
+  const int width = pow2_at_least(parts);
+  const int part = threadIdx.x & (width - 1);
+  const bool mine = part < parts;
+  const ShiftedMoments w = mine ? scratch[part] : ShiftedMoments{0.0, 0.0, 0.0, 0.0};
+  mean = warp_allreduce(Sums<double, 1>{{mine ? w.n * w.shift + w.s1 : 0.0}}, width).v[0] * inv_cols;
+  const double dev = w.shift - mean;
+  m2 = warp_allreduce(Sums<double, 1>{{mine ? w.s2 + dev * (2.0 * w.s1 + w.n * dev) : 0.0}}, width).v[0];
+}
+
 constexpr int kMaxRowThreads = 512;   // threads per row of the register paths, and block size of the long path
 
 }  // namespace cuda

@@ -177,11 +177,9 @@ LaunchPlan plan_forward_vec(int64_t rows, int64_t cols, const DeviceLimits& devi
   } else {
     plan.lanes = kMaxRowThreads;
     plan.threads = kMaxRowThreads;
-    const size_t stage = static_cast<size_t>(cols) * sizeof(A);
-    // The kernel's static shared memory: its all-reduce scratch (a double Welford state or sum per warp) and
-    // the quantized output's absmax scratch.
-    constexpr size_t kStaticShared = (sizeof(Welford<double>) + sizeof(AbsMax)) * (kMaxRowThreads / 32);
-    plan.staged = stage <= static_cast<size_t>(device.max_shared_per_block()) - kStaticShared;
+    // The stage holds the row in its own dtype Th, beside the kernel's static shared memory.
+    const size_t stage = static_cast<size_t>(cols) * sizeof(Th);
+    plan.staged = stage <= static_cast<size_t>(device.max_shared_per_block()) - kLongStaticShared;
     plan.dynamic_shared = plan.staged ? stage : 0;
     plan.row_groups = rows;
     plan.grid = grid_for(rows);

@@ -291,6 +291,18 @@ T __shfl_xor_sync(unsigned /*mask*/, T value, int offset) {
   return other;
 }
 
+// The value of lane src_lane of the caller's warp (the kernels call it with every thread of the block).
+template <typename T>
+T __shfl_sync(unsigned /*mask*/, T value, int src_lane) {
+  emulation::Block& b = emulation::block();
+  const unsigned me = emulation::thread_rank();
+  b.exchange[me] = static_cast<double>(value);
+  emulation::yield_to_scheduler();
+  const T other = static_cast<T>(b.exchange[(me & ~31u) + static_cast<unsigned>(src_lane & 31)]);
+  emulation::yield_to_scheduler();
+  return other;
+}
+
 inline cudaError_t cudaGetDevice(int* device) {
   *device = 0;
   return cudaSuccess;
