@@ -456,11 +456,14 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
   }
 }
 
-// Long-row path. Thread mapping: one block of kMaxRowThreads (= a.lanes) per row, grid-striding over rows; thread
-// t owns packs t, t + lanes, ... of the row, taken kLongChunk (4) at a time: the 16-byte loads of a chunk are all
-// issued before any of them is used.
-// Shared memory: the stage (dynamic; when the row fits, staged): pass 1 writes each pack of h there in the rows'
-// dtype Th (a bfloat16 row stays 2 bytes an element: up to ~110K columns in an sm_90 block), pass 2 reads it back.
+// Long-row path. Thread mapping: a row per cluster of `cluster` = a.lanes / kMaxRowThreads blocks (1, or 2 to 16 on
+// sm_90: rows that one block's shared memory cannot stage), grid-striding over rows; thread t of the cluster's
+// block c is the row's thread g = c * kMaxRowThreads + t and owns packs g, g + lanes, ..., taken kLongChunk (4) at
+// a time: the 16-byte loads of a chunk are all issued before any of them is used.
+// Shared memory (dynamic only, so that each block of a cluster has its own): the warps' statistics and absmax (two rounds'
+// worth), then the stage (when the row fits, staged): pass 1 writes each pack of h there in the rows' dtype Th (a
+// bfloat16 row stays 2 bytes an element: up to ~110K columns in an sm_90 block, 2^18 on a cluster of 4), at
+// slot k * kMaxRowThreads + t for the thread's k-th pack, and pass 2 reads it back.
 // A thread reads back only the stage slots it wrote itself, so the next row's pass 1 may overwrite them at once:
 // the stage needs neither a barrier nor a second buffer (which would halve the rows that fit). Without the
 // stage, pass 2 re-reads the row (the input, or residual_out that this very thread wrote in pass 1).
@@ -468,15 +471,17 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
 // first pack's mean) the packs' sum(d) and sum(d^2), d = h - shift (RMSNorm: sum(h^2)); a chunk's four packs are
 // added as a tree and the chunks merged pairwise (PairwiseMerge: the running float sums of hundreds of packs
 // drifted by tens of ulps). Then in double: recentred on lane 0's shift, added over the warp with butterflies,
-// one shared-memory round (double-buffered by row parity: the row's one barrier) and merged without a division
-// (merge_shifted_moments; RMSNorm: merge_warp_sums). float64 rows: per-pack Welford states in double merged
-// pairwise, and a Welford all-reduce (two barriers).
+// one shared-memory round (double-buffered by row parity: the row's one barrier, a cluster barrier on a cluster)
+// and merged without a division (merge_shifted_moments; RMSNorm: merge_parts_sum), every thread reading the
+// states of all the row's warps (on a cluster through distributed shared memory: cluster_shared). float64 rows
+// (never on a cluster): per-pack Welford states in double merged pairwise, a Welford all-reduce (two barriers).
 // kQuant: pass 2 twice, for the absmax of a dynamic scale, then for the codes.
 constexpr int kLongChunk = 4;
-// Static shared memory of forward_long_kernel at most (the plan subtracts it from what the stage may take): the
-// double-buffered warps' states, the float64 rows' Welford scratch, the quantized output's absmax scratch.
-constexpr size_t kLongStaticShared =
-    (2 * sizeof(ShiftedMoments) + sizeof(Welford<double>) + sizeof(AbsMax)) * (kMaxRowThreads / 32);
+// Shared memory of forward_long_kernel besides the stage: its static part at most (the float64 rows' Welford
+// scratch, the quantized output's absmax scratch) and the double-buffered warps' states that open its dynamic
+// shared memory.
+constexpr size_t kLongStaticShared = (sizeof(Welford<double>) + sizeof(AbsMax)) * (kMaxRowThreads / 32);
+constexpr size_t kLongScratchBytes = 2 * (sizeof(ShiftedMoments) + sizeof(AbsMax)) * (kMaxRowThreads / 32);
 
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, typename... Quant>
 __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArgs<acc_t<Th>> a, bool staged,
@@ -489,16 +494,24 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
   using DoubleStat = std::conditional_t<kRms, Sums<double, 1>, Welford<double>>;  // float64 rows
   using WarpStat = std::conditional_t<kRms, Sums<double, 1>, ShiftedMoments>;     // the others
   using ThreadSums = Sums<A, kRms ? 1 : 2>;
+  static_assert((sizeof(WarpStat) + sizeof(AbsMax)) * 2 * kWarps <= kLongScratchBytes, "the warps' states");
   __shared__ DoubleStat double_scratch[kDouble ? kWarps : 1];
-  __shared__ WarpStat warp_scratch[2][kDouble ? 1 : kWarps];
-  LNX_DYNAMIC_SHARED(stage_bytes);
-  RawPack<Th, kVec>* stage = reinterpret_cast<RawPack<Th, kVec>*>(stage_bytes);
-  const int lanes = a.lanes;
+  LNX_DYNAMIC_SHARED(shared_bytes);
+  WarpStat (*warp_scratch)[kWarps] = reinterpret_cast<WarpStat(*)[kWarps]>(shared_bytes);
+  AbsMax (*warp_absmax)[kWarps] =
+      reinterpret_cast<AbsMax(*)[kWarps]>(shared_bytes + 2 * sizeof(ShiftedMoments) * kWarps);
+  RawPack<Th, kVec>* stage = reinterpret_cast<RawPack<Th, kVec>*>(shared_bytes + kLongScratchBytes);
+  const int lanes = a.lanes;  // threads per row
+  const int threads = kMaxRowThreads;
+  const int cluster = lanes / threads;
+  const int rank = static_cast<int>(blockIdx.x) % cluster;
+  const int me = rank * threads + static_cast<int>(threadIdx.x);  // this thread's place among the row's
   const int64_t chunk_step = static_cast<int64_t>(kChunk) * lanes;
-  const int warp = threadIdx.x / 32;
+  const int64_t slot_step = static_cast<int64_t>(kChunk) * threads;
+  const int warp = me / 32;
   // Packs of this thread and values of its warp (units = q lanes + r: the first r threads hold q + 1 packs).
   const int64_t even_packs = a.units / lanes, extra_lanes = a.units % lanes;
-  const int64_t thread_packs = even_packs + (threadIdx.x < extra_lanes ? 1 : 0);
+  const int64_t thread_packs = even_packs + (me < extra_lanes ? 1 : 0);
   const int64_t warp_extra = extra_lanes - 32 * warp;
   const double warp_values =
       static_cast<double>((32 * even_packs + (warp_extra < 0 ? 0 : (warp_extra < 32 ? warp_extra : 32))) * kVec);
@@ -507,15 +520,16 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
     for (int p = 0; p < kChunk; ++p) valid[p] = first + static_cast<int64_t>(p) * lanes < a.units;
   };
   int parity = 0;
-  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+  const int64_t row_step = gridDim.x / cluster;
+  for (int64_t row = blockIdx.x / cluster; row < a.rows; row += row_step) {
     const int64_t row_unit = row * a.units;
-    // h of a chunk again (pass 2): from the stage, or re-read.
-    auto reload = [&](int64_t first, const bool (&valid)[kChunk], A (&h)[kChunk][kVec]) {
+    // h of a chunk again (pass 2): from the stage (slot: its first pack's), or re-read.
+    auto reload = [&](int64_t first, int64_t slot, const bool (&valid)[kChunk], A (&h)[kChunk][kVec]) {
       if (staged) {
 #pragma unroll
         for (int p = 0; p < kChunk; ++p) {
           RawPack<Th, kVec> packed{};
-          if (valid[p]) packed = stage[first + static_cast<int64_t>(p) * lanes];
+          if (valid[p]) packed = stage[slot + static_cast<int64_t>(p) * threads];
 #pragma unroll
           for (int j = 0; j < kVec; ++j) h[p][j] = raw_element<A>(packed, j);
         }
@@ -541,7 +555,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
     PairwiseMerge<ThreadSums, kDouble ? 0 : 6> sums;
     double wide_first = 0.0, wide_second = 0.0;  // chunks whose float squares overflowed, summed in double
     PairwiseMerge<DoubleStat, kDouble ? 4 : 0> welford;  // float64 rows: each pack's state, merged pairwise
-    for (int64_t first = threadIdx.x; first < a.units; first += chunk_step) {
+    for (int64_t first = me, slot = threadIdx.x; first < a.units; first += chunk_step, slot += slot_step) {
       bool valid[kChunk];
       chunk_valid(first, valid);
       RawPack<Tin, kVec> x[kChunk];
@@ -563,7 +577,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
             for (int j = 0; j < kVec; ++j) rounded.v[j] = from_acc<Th>(h[p][j]);
             packed = bits_as<RawPack<Th, kVec>>(rounded);
           }
-          stage[first + static_cast<int64_t>(p) * lanes] = packed;
+          stage[slot + static_cast<int64_t>(p) * threads] = packed;
         }
       }
       if constexpr (kDouble) {
@@ -587,7 +601,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
           }
         }
       } else {
-        if (!kRms && first == threadIdx.x) {  // the thread's first pack (valid: first < units)
+        if (!kRms && first == me) {  // the thread's first pack (valid: first < units)
           A sum = A(0);
 #pragma unroll
           for (int j = 0; j < kVec; ++j) sum += h[0][j];
@@ -627,9 +641,13 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       }
     }
 
+    auto row_barrier = [&] {
+      if (cluster == 1) __syncthreads();
+      else cluster_sync();
+    };
     // The row's statistics: one barrier (float64 rows: two).
     RowStats<A> st;
-    const bool writer = threadIdx.x == 0;
+    const bool writer = me == 0;
     if constexpr (kDouble) {
       const DoubleStat s = row_allreduce(welford.total(), lanes, double_scratch);
       if constexpr (kRms) {
@@ -642,36 +660,44 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       const ThreadSums total = sums.total();
       double first_sum = (kRms ? 0.0 : static_cast<double>(total.v[0])) + wide_first;
       double second_sum = static_cast<double>(total.v[kRms ? 0 : 1]) + wide_second;
+      // The row's warps' states: those of block c at cluster_shared(warp_scratch[parity], c), warp w of the
+      // block at index w (warp c * kWarps + w of the row).
+      const WarpStat* const states = warp_scratch[parity];
+      auto row_warp = [&](int i) {
+        return cluster == 1 ? states[i] : cluster_shared(states, static_cast<unsigned>(i / kWarps))[i % kWarps];
+      };
       if constexpr (kRms) {
         const double squares = warp_allreduce(Sums<double, 1>{{second_sum}}, 32).v[0];
-        if ((threadIdx.x & 31) == 0) warp_scratch[parity][warp] = Sums<double, 1>{{squares}};
-        __syncthreads();
-        st = finish_stats<kRms>(a, row, writer, A(0), 0.0, merge_warp_sums(warp_scratch[parity], lanes / 32) * a.inv_cols);
+        if ((threadIdx.x & 31) == 0) warp_scratch[parity][threadIdx.x / 32] = Sums<double, 1>{{squares}};
+        row_barrier();
+        const double total = merge_parts_sum([&](int i) { return row_warp(i).v[0]; }, lanes / 32);
+        st = finish_stats<kRms>(a, row, writer, A(0), 0.0, total * a.inv_cols);
       } else {
         const A centre = __shfl_sync(0xffffffffu, shift, 0);
         recentre(static_cast<double>(thread_packs * kVec), static_cast<double>(shift), static_cast<double>(centre),
                  first_sum, second_sum);
         const Sums<double, 2> m = warp_allreduce(Sums<double, 2>{{first_sum, second_sum}}, 32);
         if ((threadIdx.x & 31) == 0) {
-          warp_scratch[parity][warp] = ShiftedMoments{warp_values, static_cast<double>(centre), m.v[0], m.v[1]};
+          warp_scratch[parity][threadIdx.x / 32] = ShiftedMoments{warp_values, static_cast<double>(centre), m.v[0], m.v[1]};
         }
-        __syncthreads();
+        row_barrier();
         double mean, m2;
-        merge_shifted_moments(warp_scratch[parity], lanes / 32, a.inv_cols, mean, m2);
+        merge_shifted_moments(row_warp, lanes / 32, a.inv_cols, mean, m2);
         const A row_shift = static_cast<A>(mean);
         st = finish_stats<kRms>(a, row, writer, row_shift, mean - static_cast<double>(row_shift), m2 * a.inv_cols);
       }
-      parity ^= 1;  // the next row's round writes the other half: no second barrier
+      parity ^= 1;  // the next row's round writes the other half: no second barrier (every thread of the cluster
+                    // has read this half before it reaches the next row's barrier)
     }
 
     // Pass 2: normalize. Each pack's weight and bias are loaded right before their use (they hit L2): loaded for
     // the whole chunk first, they took 128 registers and spilled (ptxas, sm_90, bfloat16 rows with float weights).
     if constexpr (!kQuant) {
-      for (int64_t first = threadIdx.x; first < a.units; first += chunk_step) {
+      for (int64_t first = me, slot = threadIdx.x; first < a.units; first += chunk_step, slot += slot_step) {
         bool valid[kChunk];
         chunk_valid(first, valid);
         A h[kChunk][kVec];
-        reload(first, valid, h);
+        reload(first, slot, valid, h);
 #pragma unroll
         for (int p = 0; p < kChunk; ++p) {
           const int64_t unit = first + static_cast<int64_t>(p) * lanes;
@@ -687,11 +713,11 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       const QuantArgs& q = quant_args(quant...);
       float absmax = 0.0f;
       if (q.scale == nullptr) {
-        for (int64_t first = threadIdx.x; first < a.units; first += chunk_step) {
+        for (int64_t first = me, slot = threadIdx.x; first < a.units; first += chunk_step, slot += slot_step) {
           bool valid[kChunk];
           chunk_valid(first, valid);
           A h[kChunk][kVec];
-          reload(first, valid, h);
+          reload(first, slot, valid, h);
 #pragma unroll
           for (int p = 0; p < kChunk; ++p) {
             const int64_t unit = first + static_cast<int64_t>(p) * lanes;
@@ -699,12 +725,30 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
           }
         }
       }
-      const quant::Scaling scaling = row_scaling(q, row, writer, absmax, lanes, absmax_scratch);
-      for (int64_t first = threadIdx.x; first < a.units; first += chunk_step) {
+      quant::Scaling scaling;
+      if constexpr (kDouble) {
+        scaling = row_scaling(q, row, writer, absmax, lanes, absmax_scratch);
+      } else {
+        // The row's absmax over its warps (of every block of the cluster), as its statistics (parity: already
+        // the next row's, a buffer of its own).
+        if (q.scale == nullptr) {
+          absmax = warp_allreduce(AbsMax{absmax}, 32).v;
+          const AbsMax* const parts = warp_absmax[parity];
+          if ((threadIdx.x & 31) == 0) warp_absmax[parity][threadIdx.x / 32] = AbsMax{absmax};
+          row_barrier();
+          absmax = 0.0f;
+          for (int i = 0; i < lanes / 32; ++i) {  // NaN wins: any order gives the same
+            const AbsMax part = cluster == 1 ? parts[i] : cluster_shared(parts, static_cast<unsigned>(i / kWarps))[i % kWarps];
+            absmax = quant::nan_max(absmax, part.v);
+          }
+        }
+        scaling = row_scaling(q, row, writer, absmax, 1, absmax_scratch);  // lanes 1: the absmax is the row's
+      }
+      for (int64_t first = me, slot = threadIdx.x; first < a.units; first += chunk_step, slot += slot_step) {
         bool valid[kChunk];
         chunk_valid(first, valid);
         A h[kChunk][kVec];
-        reload(first, valid, h);
+        reload(first, slot, valid, h);
 #pragma unroll
         for (int p = 0; p < kChunk; ++p) {
           const int64_t unit = first + static_cast<int64_t>(p) * lanes;
@@ -716,6 +760,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       }
     }
   }
+  if (cluster > 1) cluster_sync();  // no block leaves while the others may still read its warps' states
 }
 
 }  // namespace cuda
