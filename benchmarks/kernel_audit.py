@@ -48,6 +48,10 @@ class Arch:
     max_threads: int = 2048
     max_blocks: int = 32
 
+    @property
+    def compute_capability(self) -> int:  # 90 for sm_90: the plan's clusters
+        return int(self.name.removeprefix("sm_"))
+
 
 ARCHS = {
     "sm_80": Arch("sm_80", sms=108, param_base=0x160, shared_per_sm=167936, shared_per_block=166912),
@@ -61,6 +65,9 @@ TARGET_ARCH = "sm_90"
 FORWARD_POINTERS = ("input", "residual", "weight", "bias", "out", "residual_out", "mean", "rstd")
 BACKWARD_POINTERS = ("grad_out", "grad_residual_out", "saved", "mean", "rstd", "weight", "bias", "grad_input",
                      "partial_dweight", "partial_dbias")
+# A thread-block cluster's barrier (cluster.sync(): arrive, then wait): counted once, as a barrier.
+CLUSTER_BARRIERS = ("UCGABAR_ARV", "UCGABAR_WAIT")
+CLUSTER_BARRIER_WAIT = "UCGABAR_WAIT"
 # Streams with one access per element (DRAM traffic); weight / bias are per column (L2), mean / rstd per row.
 ELEMENT_STREAMS = {"input", "residual", "out", "residual_out", "grad_out", "grad_residual_out", "saved",
                    "grad_input", "partial_dweight", "partial_dbias"}
@@ -126,6 +133,7 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     pointers = {arch.param_base + 8 * i: name for i, name in enumerate(pointers_list)}
     used, unused = call_streams(op, direction)
     lanes, threads = plan["lanes"], plan["threads"]
+    cluster = plan.get("cluster", 1)  # blocks per row (a thread-block cluster): the row's threads are lanes
     row_spans_warps = lanes > 32
     units = -(-plan["cols"] // plan["vec"])
 
@@ -170,7 +178,7 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         return sum(1 for b in loop.blocks for i in blocks[b].instructions if i.op in ops) or 1
 
     trips = {
-        "column": -(-units // threads),
+        "column": -(-units // (threads * cluster)),
         "shuffle": int(math.log2(min(lanes, 32))) if lanes > 1 else 0,
         "merge": max(lanes // 32 - 1, 0),
         "other": 1,
@@ -214,7 +222,9 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
                 multiplicity[b] *= trips[k]
 
     # Path: dynamic programming over the region in address order (back edges dropped).
-    first_barrier = min((i.address for b in region for i in blocks[b].instructions if i.op == "BAR"), default=None)
+    barrier_ops = ("BAR",) + CLUSTER_BARRIERS
+    first_barrier = min((i.address for b in region for i in blocks[b].instructions if i.op in barrier_ops),
+                        default=None)
 
     def skipped(i: sass.Instruction) -> bool:
         """An access to a stream the call does not use, under a predicate: the predicate is its null test."""
@@ -228,6 +238,9 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
             if plan.get("staged") and s == first_stream and first_barrier is not None and i.address > first_barrier \
                     and i.op in sass.GLOBAL_LOADS:
                 return True  # the staged pass 2 reads shared memory, not the row again
+        # A row on a cluster takes the cluster's barrier, a row of one block the block's (the other is not run).
+        if has(block, ("BAR",) if cluster > 1 else CLUSTER_BARRIERS):
+            return True
         return not row_spans_warps and has(block, ("BAR",))
 
     loop_entries = {loop.header for loop in counted_loops}
@@ -241,7 +254,8 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
             points += sum(1 for i in block.instructions if i.op == "STS")
         if plan.get("staged"):  # the stage's writes and reads, and the barrier before it is overwritten
             points += sum(1 for i in block.instructions if i.op in ("LDS", "STS") and in_column_loop)
-            points += sum(1 for i in block.instructions if i.op == "BAR" and block.index not in looped)
+            points += sum(1 for i in block.instructions
+                          if i.op in ("BAR", CLUSTER_BARRIER_WAIT) and block.index not in looped)
         return points + (1 if block.index in loop_entries else 0)
 
     def cost(block: sass.Block) -> float:
@@ -288,7 +302,7 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         for i in blocks[b].instructions:
             figures.instructions += weight
             figures.fp64 += weight if i.is_fp64 else 0.0
-            figures.barriers += weight if i.op == "BAR" else 0.0
+            figures.barriers += weight if i.op in ("BAR", CLUSTER_BARRIER_WAIT) else 0.0
             if skipped(i):
                 continue
             s = stream.get(i.address)
@@ -347,7 +361,8 @@ class Row:
     def path(self) -> str:
         if self.plan["packs"]:
             return "rows"
-        return "long-staged" if self.plan["staged"] else "long"
+        cluster = self.plan.get("cluster", 1)
+        return ("long-staged" if self.plan["staged"] else "long") + (f" x{cluster} CTAs" if cluster > 1 else "")
 
     def key(self, metric: str) -> str:
         return "\t".join((self.arch, self.op, self.dtype, self.direction, str(self.n), metric))
@@ -373,7 +388,8 @@ def audit(library: str, archs: Iterable[str], plan_function) -> list[Row]:
         for op, dtype, direction, n in cases:
             m = case_rows(dtype, n)
             plan = plan_function(op=op, direction=direction, input_dtype=dtype, rows=m, cols=n, sm_count=arch.sms,
-                                 max_shared_per_block=arch.shared_per_block)
+                                 max_shared_per_block=arch.shared_per_block,
+                                 compute_capability=arch.compute_capability)
             plans[(op, dtype, direction, n)] = plan
         wanted = {by_kernel[p["kernel"]] for p in plans.values() if p["kernel"] in by_kernel}
         missing = {p["kernel"] for p in plans.values()} - set(by_kernel)
@@ -390,9 +406,10 @@ def audit(library: str, archs: Iterable[str], plan_function) -> list[Row]:
             if plan["persistent"]:  # the grid the launcher takes from the occupancy API
                 plan = plan_function(op=op, direction=direction, input_dtype=dtype, rows=m, cols=n,
                                      sm_count=arch.sms, max_shared_per_block=arch.shared_per_block,
-                                     blocks_per_sm=resident)
+                                     blocks_per_sm=resident, compute_capability=arch.compute_capability)
             plan = dict(plan, cols=n)
-            key = (plan["kernel"], plan["lanes"], plan["threads"], plan["staged"], -(-n // plan["vec"]))
+            key = (plan["kernel"], plan["lanes"], plan["threads"], plan["staged"], plan.get("cluster", 1),
+                   -(-n // plan["vec"]))
             if key not in analyzed:
                 analyzed[key] = analyze_row_path(function, arch, plan, op, direction)
             figures = analyzed[key]

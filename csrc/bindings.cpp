@@ -261,7 +261,7 @@ c10::ScalarType dtype_named(const std::string& name) {
 pybind11::dict cuda_launch_plan(const std::string& op, const std::string& direction, const std::string& input_dtype,
                                 int64_t rows, int64_t cols, int sm_count, int64_t max_shared_per_block,
                                 const std::string& row_dtype, const std::string& param_dtype, int blocks_per_sm,
-                                bool vectorized, bool quantized) {
+                                bool vectorized, bool quantized, int compute_capability) {
   TORCH_CHECK_VALUE(op == "layer_norm" || op == "rms_norm", "cuda_launch_plan: op must be layer_norm or rms_norm");
   TORCH_CHECK_VALUE(direction == "forward" || direction == "backward",
                     "cuda_launch_plan: direction must be forward or backward");
@@ -280,6 +280,7 @@ pybind11::dict cuda_launch_plan(const std::string& op, const std::string& direct
   query.sm_count = sm_count;
   query.max_shared_per_block = max_shared_per_block;
   query.blocks_per_sm = blocks_per_sm;
+  query.compute_capability = compute_capability;
   layernorm_ext::cuda::LaunchPlan plan;
   switch (query.input_type) {
     case c10::ScalarType::Float: plan = layernorm_ext::cuda::plan_f32(query); break;
@@ -297,6 +298,7 @@ pybind11::dict cuda_launch_plan(const std::string& op, const std::string& direct
   out["packs"] = plan.packs;
   out["vec"] = plan.vec;
   out["staged"] = plan.staged;
+  out["cluster"] = plan.cluster;
   out["persistent"] = plan.persistent;
   out["row_groups"] = plan.row_groups;
   return out;
@@ -329,8 +331,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::arg("max_shared_per_block"), pybind11::arg("row_dtype") = "",
              pybind11::arg("param_dtype") = "", pybind11::arg("blocks_per_sm") = 0,
              pybind11::arg("vectorized") = true, pybind11::arg("quantized") = false,
-             "The CUDA kernel, block, grid and dynamic shared memory the dispatcher chooses for a call, given the "
-             "device's SM count, opt-in shared memory per block and (persistent backward grids) resident blocks "
-             "per SM of the chosen kernel (0: uncapped). Needs no GPU.");
+             pybind11::arg("compute_capability") = 90,
+             "The CUDA kernel, block, grid, dynamic shared memory and cluster size the dispatcher chooses for a "
+             "call, given the device's SM count, opt-in shared memory per block, compute capability (major * 10 + "
+             "minor: clusters from 90 on) and (persistent backward grids) resident blocks per SM of the chosen "
+             "kernel (0: uncapped). Needs no GPU.");
 #endif
 }

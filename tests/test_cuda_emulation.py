@@ -8,8 +8,10 @@ backward's partial buffers and their fixed-order reduction, dtype dispatch. Ever
 test_functional's ``run_case``: outputs and all gradients against ATen (CPU) with the suite's accuracy rule.
 It cannot check what only a GPU shows: timing, the CUDA compiler's code, memory ordering, real launch limits.
 
-The emulated GPU has 3 SMs x 2 resident blocks and 100 KiB of shared memory per block, so persistent grids
-stride over rows and rows of 20000 floats are staged while rows of 40000 are read twice.
+The emulated GPU (an sm_90) has 3 SMs x 2 resident blocks and 100 KiB of shared memory per block, so persistent
+grids stride over rows, and the long forward stages rows of 20000 floats in one block, rows of 40000 on a
+thread-block cluster of 2 (its blocks run together, cluster barriers and distributed shared memory emulated),
+while rows beyond 16 blocks (2^20 bfloat16) or its quantized and float64 variants read the row twice.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def _rows(n: int) -> int:
 
 
 # N per path for float32 (bfloat16 alike): sub-warp (7: element-wise; 8, 64), warp (256), block (769:
-# element-wise; 1024, 4096), long staged in shared memory (20000), long read twice (40000).
+# element-wise; 1024, 4096), long staged in shared memory (20000), long on a cluster of 2 (40000).
 PATH_NS = (7, 8, 64, 256, 769, 1024, 4096, 20000, 40000)
 DTYPES = ((F32, F32), (BF16, BF16), (F16, F32), (F64, F64))
 
@@ -371,7 +373,6 @@ def test_emulated_quantized_output(emulated: ModuleType, rms: bool, dtype: torch
 ELEMENT = {F32: 4, BF16: 2}
 TRAFFIC_NS = (7, 64, 1024, 4096, 5120, 20000, 40000)  # sub-warp ... block per row, long rows (bf16 and f32)
 # Where today's design moves more than the minimum: strict, so that the fix turns them into failures to update.
-FORWARD_READ_TWICE = 40000  # a long row beyond the emulated 100 KiB of shared memory (float rows): not staged
 BACKWARD_LONG = (20000, 40000)  # beyond the backward's registers (N > 8192): the long path
 
 
@@ -386,8 +387,12 @@ def _traffic(emulated: ModuleType, run) -> list[tuple[int, int, int, int]]:
     return emulated.global_traffic()
 
 
-@pytest.mark.parametrize("n", _traffic_ns((FORWARD_READ_TWICE,), "long rows beyond shared memory are read twice "
-                                          "(no cluster yet: issue 23, item 4)"))
+# The forward beyond them: long rows staged by one block (20000 floats: 80 KB of the emulated 100 KiB) or split
+# over a cluster (40000 floats on 2 blocks; 2^18 on 11 (float32) or 6 (bfloat16) blocks), up to the audit's largest N.
+FORWARD_TRAFFIC_NS = (*TRAFFIC_NS, 65536, 1 << 18)
+
+
+@pytest.mark.parametrize("n", FORWARD_TRAFFIC_NS)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
@@ -396,19 +401,23 @@ def test_emulated_forward_reads_each_element_once(
 ) -> None:
     """The forward loads each element of x (and of the residual) from global memory exactly once: M x N x
     (elem(x) + elem(residual)) bytes in its one launch, on every path whose row is read once (registers; long
-    rows staged in shared memory). The long path that cannot stage its row (40000 floats on the emulated 100 KiB)
-    reads it a second time: a known miss."""
+    rows staged in shared memory, by one block or, beyond its shared memory, a block of a thread-block cluster
+    each: the sm_90 mapping)."""
     m = _rows(n)
     x, w, b = torch.randn(m, n, dtype=dtype), torch.randn(n, dtype=dtype), torch.randn(n, dtype=dtype)
     r = torch.randn(m, n, dtype=dtype) if residual else None
     plan = emulated.launch_plan(rms, False, dtype, dtype, dtype, m, n)
-    assert (plan["packs"] == 0 and not plan["staged"]) == (n == FORWARD_READ_TWICE)  # the marks follow the plan
+    assert plan["packs"] > 0 or plan["staged"]
+    assert (plan["cluster"] > 1) == (n * ELEMENT[dtype] > 100 * 1024 - 2048)  # split where one block cannot stage
     if rms:
         launches = _traffic(emulated, lambda: emulated.rms_norm_fwd(x, [n], w, None, r, False))
     else:
         launches = _traffic(emulated, lambda: emulated.layer_norm_fwd(x, [n], w, b, 1e-5, r, False))
     assert len(launches) == 1
-    _, _, loaded, _ = launches[0]
+    grid, _, loaded, _ = launches[0]
+    assert grid == plan["grid"]
+    if plan["packs"] == 0:  # the long path: a block, or a cluster of blocks, per row
+        assert grid == m * plan["cluster"]
     assert loaded == m * n * ELEMENT[dtype] * (2 if residual else 1)
 
 

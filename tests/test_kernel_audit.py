@@ -138,10 +138,29 @@ def test_plan_forward(dtype, cols, kernel, lanes, rows_per_block, packs):
 
 
 def test_plan_forward_stages_a_long_row_where_it_fits():
-    staged = _plan(cols=32768)
-    assert staged["staged"] and staged["dynamic_shared"] == 32768 * 4 and staged["kernel"].startswith("forward_long")
-    unstaged = _plan(cols=32768, max_shared_per_block=100 * 1024)
-    assert not unstaged["staged"] and unstaged["dynamic_shared"] == 0
+    scratch = 2 * 16 * (32 + 4)  # the warps' states and absmax of two rows, before the stage in dynamic shared memory
+    staged = _plan(cols=32768)  # staged in the rows' own dtype: 2 bytes a bfloat16 column
+    assert staged["staged"] and staged["dynamic_shared"] == scratch + 32768 * 2
+    assert staged["kernel"].startswith("forward_long") and staged["cluster"] == 1
+    assert _plan(cols=65536)["staged"] and _plan(cols=65536)["cluster"] == 1
+    unstaged = _plan(cols=65536, max_shared_per_block=100 * 1024, compute_capability=80)
+    assert not unstaged["staged"] and unstaged["dynamic_shared"] == scratch and unstaged["cluster"] == 1
+
+
+@pytest.mark.parametrize(("dtype", "cols", "cluster"), [("bfloat16", 131072, 2), ("bfloat16", 262144, 3),
+                                                        ("float32", 65536, 2), ("float32", 262144, 5)])
+def test_plan_forward_splits_a_long_row_over_a_cluster_on_sm90(dtype, cols, cluster):
+    """Rows that one block cannot stage (227 KB on sm_90) go to the fewest blocks of a cluster that can, each
+    staging its share: grid = rows x cluster, the row's threads (lanes) = 512 x cluster."""
+    plan = _plan(input_dtype=dtype, cols=cols, rows=64)
+    assert (plan["cluster"], plan["staged"], plan["lanes"], plan["threads"]) == (cluster, True, 512 * cluster, 512)
+    assert plan["grid"] == 64 * cluster and plan["dynamic_shared"] <= 232448
+    share = -(-cols // (512 * cluster * (16 // {"bfloat16": 2, "float32": 4}[dtype]))) * 512 * 16
+    assert plan["dynamic_shared"] == 2 * 16 * (32 + 4) + share
+    sm80 = _plan(input_dtype=dtype, cols=cols, rows=64, compute_capability=80, max_shared_per_block=166912)
+    assert (sm80["cluster"], sm80["staged"], sm80["grid"]) == (1, False, 64)
+    quantized = _plan(input_dtype=dtype, cols=cols, rows=64, quantized=True)  # the same mapping: the same statistics
+    assert (quantized["cluster"], quantized["staged"]) == (cluster, True)
 
 
 def test_plan_backward_is_persistent():

@@ -217,6 +217,38 @@ __device__ __forceinline__ void add_residual(const ForwardArgs<A>& a, int64_t fi
   }
 }
 
+// h of a thread's kPacks packs (units first_unit + p * a.lanes) from their input packs x, loaded raw: x itself, or
+// (kResidual) x + the residual rounded to Th and written to residual_out. The residual's dtype is dispatched
+// here, once for all the packs, outside their loops.
+template <typename Tin, typename Th, typename A, int kVec, int kPacks, bool kResidual>
+__device__ __forceinline__ void h_of_packs(const ForwardArgs<A>& a, int64_t first_unit, const bool (&valid)[kPacks],
+                                           const RawPack<Tin, kVec> (&x)[kPacks], A (&h)[kPacks][kVec]) {
+  if constexpr (!kResidual) {
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p)
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) h[p][j] = raw_element<A>(x[p], j);
+  } else {
+    // Only the residual dtypes that promote with the input to Th (residual_fits, asserted by the launcher).
+    switch (a.residual_type) {
+      case ScalarType::Double:
+        if constexpr (residual_fits<Th>(ScalarType::Double)) add_residual<double, Tin, Th, A, kVec, kPacks>(a, first_unit, valid, x, h);
+        break;
+      case ScalarType::Half:
+        if constexpr (residual_fits<Th>(ScalarType::Half)) add_residual<__half, Tin, Th, A, kVec, kPacks>(a, first_unit, valid, x, h);
+        break;
+      case ScalarType::BFloat16:
+        if constexpr (residual_fits<Th>(ScalarType::BFloat16)) {
+          add_residual<__nv_bfloat16, Tin, Th, A, kVec, kPacks>(a, first_unit, valid, x, h);
+        }
+        break;
+      default:
+        if constexpr (residual_fits<Th>(ScalarType::Float)) add_residual<float, Tin, Th, A, kVec, kPacks>(a, first_unit, valid, x, h);
+        break;
+    }
+  }
+}
+
 // Whether the register path loads a row's weight (and bias) with its input, before the statistics: where they fit
 // in registers beside the row and the reduction's temporaries. ptxas for sm_90, the kernels without a residual,
 // bfloat16 rows of 4 packs of 8 per thread: RMSNorm with its weight early 70 registers; LayerNorm 112 with its
@@ -297,30 +329,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
       }
     }
     A h[kPacks][kVec];
-    if constexpr (!kResidual) {
-#pragma unroll
-      for (int p = 0; p < kPacks; ++p)
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) h[p][j] = raw_element<A>(x[p], j);
-    } else {
-      // Only the residual dtypes that promote with the input to Th (residual_fits, asserted by the launcher).
-      switch (a.residual_type) {
-        case ScalarType::Double:
-          if constexpr (residual_fits<Th>(ScalarType::Double)) add_residual<double, Tin, Th, A, kVec, kPacks>(a, first_unit, valid, x, h);
-          break;
-        case ScalarType::Half:
-          if constexpr (residual_fits<Th>(ScalarType::Half)) add_residual<__half, Tin, Th, A, kVec, kPacks>(a, first_unit, valid, x, h);
-          break;
-        case ScalarType::BFloat16:
-          if constexpr (residual_fits<Th>(ScalarType::BFloat16)) {
-            add_residual<__nv_bfloat16, Tin, Th, A, kVec, kPacks>(a, first_unit, valid, x, h);
-          }
-          break;
-        default:
-          if constexpr (residual_fits<Th>(ScalarType::Float)) add_residual<float, Tin, Th, A, kVec, kPacks>(a, first_unit, valid, x, h);
-          break;
-      }
-    }
+    h_of_packs<Tin, Th, A, kVec, kPacks, kResidual>(a, first_unit, valid, x, h);
     A shift = A(0);
     if constexpr (!kRms) {
       A sum = A(0);  // absent packs are zeros
@@ -447,77 +456,256 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
   }
 }
 
-// Long-row path. Thread mapping: one block of kMaxRowThreads per row (grid-striding over rows); thread t
-// handles packs t, t + blockDim, ... Pass 1 reads h once, merges each pack's Welford state into the
-// thread's (sum of squares for RMSNorm) and, when the row fits (dynamic shared memory given), stages h in
-// shared memory as the compute type. Block all-reduce; pass 2 normalizes from shared memory, or re-reads
-// the row (the input, or residual_out that the same thread wrote in pass 1). kQuant: a pass more, the same
-// way, for the absmax of a dynamic scale, before the pass that stores the codes.
-// A thread merges hundreds of packs one after another (2^20 columns: 256 per thread), so its statistics and
-// the all-reduce are kept in double: in float the mean and rstd of such rows drift by tens of ulps, which
-// shows in dweight when only a row or two contribute.
+// Long-row path. Thread mapping: a row per cluster of `cluster` = a.lanes / kMaxRowThreads blocks (1, or 2 to 16 on
+// sm_90: rows that one block's shared memory cannot stage), grid-striding over rows; thread t of the cluster's
+// block c is the row's thread g = c * kMaxRowThreads + t and owns packs g, g + lanes, ..., taken kLongChunk (4) at
+// a time: the 16-byte loads of a chunk are all issued before any of them is used.
+// Shared memory (dynamic only, so that each block of a cluster has its own): the warps' statistics and absmax (two rounds'
+// worth), then the stage (when the row fits, staged): pass 1 writes each pack of h there in the rows' dtype Th (a
+// bfloat16 row stays 2 bytes an element: up to ~110K columns in an sm_90 block, 2^18 on a cluster of 4), at
+// slot k * kMaxRowThreads + t for the thread's k-th pack, and pass 2 reads it back.
+// A thread reads back only the stage slots it wrote itself, so the next row's pass 1 may overwrite them at once:
+// the stage needs neither a barrier nor a second buffer (which would halve the rows that fit). Without the
+// stage, pass 2 re-reads the row (the input, or residual_out that this very thread wrote in pass 1).
+// Statistics of float and half rows, kept in float per thread: each thread sums about a shift of its own (its
+// first pack's mean) the packs' sum(d) and sum(d^2), d = h - shift (RMSNorm: sum(h^2)); a chunk's four packs are
+// added as a tree and the chunks merged pairwise (PairwiseMerge: the running float sums of hundreds of packs
+// drifted by tens of ulps). Then in double: recentred on lane 0's shift, added over the warp with butterflies,
+// one shared-memory round (double-buffered by row parity: the row's one barrier, a cluster barrier on a cluster)
+// and merged without a division (merge_shifted_moments; RMSNorm: merge_parts_sum), every thread reading the
+// states of all the row's warps (on a cluster through distributed shared memory: cluster_shared). float64 rows
+// (never on a cluster): per-pack Welford states in double merged pairwise, a Welford all-reduce (two barriers).
+// kQuant: pass 2 twice, for the absmax of a dynamic scale, then for the codes.
+constexpr int kLongChunk = 4;
+// Shared memory of forward_long_kernel besides the stage: its static part at most (the float64 rows' Welford
+// scratch, the quantized output's absmax scratch) and the double-buffered warps' states that open its dynamic
+// shared memory.
+constexpr size_t kLongStaticShared = (sizeof(Welford<double>) + sizeof(AbsMax)) * (kMaxRowThreads / 32);
+constexpr size_t kLongScratchBytes = 2 * (sizeof(ShiftedMoments) + sizeof(AbsMax)) * (kMaxRowThreads / 32);
+
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, typename... Quant>
 __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArgs<acc_t<Th>> a, bool staged,
                                                                       Quant... quant) {
   using A = acc_t<Th>;
   constexpr bool kQuant = sizeof...(Quant) == 1;
-  using W = double;
-  using Stat = std::conditional_t<kRms, Sums<W, 1>, Welford<W>>;
-  __shared__ Stat scratch[kMaxRowThreads / 32];
-  LNX_DYNAMIC_SHARED(stage_bytes);
-  A* stage = reinterpret_cast<A*>(stage_bytes);
-  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    // float64 rows merge their packs pairwise (their statistics are kept to the ulp); the others' round to a
-    // narrower type, where the running merge's drift does not show and a pairwise one would cost registers.
-    PairwiseMerge<Stat, std::is_same_v<A, double> ? 4 : 0> merged;
-    for (int64_t unit = threadIdx.x; unit < a.units; unit += blockDim.x) {
-      A h[kVec];
-      load_h<Tin, Th, A, kVec>(a, row * a.units + unit, h);
-      if constexpr (kRms) {
-        Stat squares{};
+  constexpr bool kDouble = std::is_same_v<A, double>;
+  constexpr int kChunk = kLongChunk;
+  constexpr int kWarps = kMaxRowThreads / 32;
+  using DoubleStat = std::conditional_t<kRms, Sums<double, 1>, Welford<double>>;  // float64 rows
+  using WarpStat = std::conditional_t<kRms, Sums<double, 1>, ShiftedMoments>;     // the others
+  using ThreadSums = Sums<A, kRms ? 1 : 2>;
+  static_assert((sizeof(WarpStat) + sizeof(AbsMax)) * 2 * kWarps <= kLongScratchBytes, "the warps' states");
+  __shared__ DoubleStat double_scratch[kDouble ? kWarps : 1];
+  LNX_DYNAMIC_SHARED(shared_bytes);
+  WarpStat (*warp_scratch)[kWarps] = reinterpret_cast<WarpStat(*)[kWarps]>(shared_bytes);
+  AbsMax (*warp_absmax)[kWarps] =
+      reinterpret_cast<AbsMax(*)[kWarps]>(shared_bytes + 2 * sizeof(ShiftedMoments) * kWarps);
+  RawPack<Th, kVec>* stage = reinterpret_cast<RawPack<Th, kVec>*>(shared_bytes + kLongScratchBytes);
+  const int lanes = a.lanes;  // threads per row
+  const int threads = kMaxRowThreads;
+  const int cluster = lanes / threads;
+  const int rank = static_cast<int>(blockIdx.x) % cluster;
+  const int me = rank * threads + static_cast<int>(threadIdx.x);  // this thread's place among the row's
+  const int64_t chunk_step = static_cast<int64_t>(kChunk) * lanes;
+  const int64_t slot_step = static_cast<int64_t>(kChunk) * threads;
+  const int warp = me / 32;
+  // Packs of this thread and values of its warp (units = q lanes + r: the first r threads hold q + 1 packs).
+  const int64_t even_packs = a.units / lanes, extra_lanes = a.units % lanes;
+  const int64_t thread_packs = even_packs + (me < extra_lanes ? 1 : 0);
+  const int64_t warp_extra = extra_lanes - 32 * warp;
+  const double warp_values =
+      static_cast<double>((32 * even_packs + (warp_extra < 0 ? 0 : (warp_extra < 32 ? warp_extra : 32))) * kVec);
+  auto chunk_valid = [&](int64_t first, bool (&valid)[kChunk]) {
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) squares.v[0] += static_cast<W>(h[j]) * static_cast<W>(h[j]);
-        merged.add(squares);
-      } else {
-        W sum = W(0);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) sum += static_cast<W>(h[j]);
-        const W mean = sum * (W(1) / W(kVec));  // kVec is a power of two: exact
-        W m2 = W(0);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) m2 += (static_cast<W>(h[j]) - mean) * (static_cast<W>(h[j]) - mean);
-        merged.add(Welford<W>{W(kVec), mean, m2});
-      }
+    for (int p = 0; p < kChunk; ++p) valid[p] = first + static_cast<int64_t>(p) * lanes < a.units;
+  };
+  int parity = 0;
+  const int64_t row_step = gridDim.x / cluster;
+  for (int64_t row = blockIdx.x / cluster; row < a.rows; row += row_step) {
+    const int64_t row_unit = row * a.units;
+    // h of a chunk again (pass 2): from the stage (slot: its first pack's), or re-read.
+    auto reload = [&](int64_t first, int64_t slot, const bool (&valid)[kChunk], A (&h)[kChunk][kVec]) {
       if (staged) {
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) stage[unit * kVec + j] = h[j];
-      }
-    }
-    const Stat s = row_allreduce(merged.total(), static_cast<int>(blockDim.x), scratch);  // also orders the staging writes
-    RowStats<A> st;
-    if constexpr (kRms) {
-      st = finish_stats<kRms>(a, row, threadIdx.x == 0, A(0), 0.0, s.v[0] * a.inv_cols);
-    } else {
-      const A shift = static_cast<A>(s.mean);
-      st = finish_stats<kRms>(a, row, threadIdx.x == 0, shift, s.mean - static_cast<double>(shift), s.m2 * a.inv_cols);
-    }
-    // h of a pack again: from the stage, or re-read (residual_out was written by this very thread).
-    auto reload = [&](int64_t unit, A (&h)[kVec]) {
-      if (staged) {
+        for (int p = 0; p < kChunk; ++p) {
+          RawPack<Th, kVec> packed{};
+          if (valid[p]) packed = stage[slot + static_cast<int64_t>(p) * threads];
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) h[j] = stage[unit * kVec + j];
+          for (int j = 0; j < kVec; ++j) h[p][j] = raw_element<A>(packed, j);
+        }
       } else if (a.residual != nullptr) {
-        load_pack<A, Th, kVec>(a.residual_out, row * a.units + unit, h);
+        RawPack<Th, kVec> packed[kChunk];
+        load_packs<Th, kVec, kChunk>(a.residual_out, row_unit + first, lanes, valid, packed);
+#pragma unroll
+        for (int p = 0; p < kChunk; ++p)
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) h[p][j] = raw_element<A>(packed[p], j);
       } else {
-        load_pack<A, Tin, kVec>(a.input, row * a.units + unit, h);
+        RawPack<Tin, kVec> packed[kChunk];
+        load_packs<Tin, kVec, kChunk>(a.input, row_unit + first, lanes, valid, packed);
+#pragma unroll
+        for (int p = 0; p < kChunk; ++p)
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) h[p][j] = raw_element<A>(packed[p], j);
       }
     };
+
+    // Pass 1: h read once, staged, and summed.
+    A shift = A(0);
+    PairwiseMerge<ThreadSums, kDouble ? 0 : 6> sums;
+    double wide_first = 0.0, wide_second = 0.0;  // chunks whose float squares overflowed, summed in double
+    PairwiseMerge<DoubleStat, kDouble ? 4 : 0> welford;  // float64 rows: each pack's state, merged pairwise
+    for (int64_t first = me, slot = threadIdx.x; first < a.units; first += chunk_step, slot += slot_step) {
+      bool valid[kChunk];
+      chunk_valid(first, valid);
+      RawPack<Tin, kVec> x[kChunk];
+      load_packs<Tin, kVec, kChunk>(a.input, row_unit + first, lanes, valid, x);
+      A h[kChunk][kVec];
+      if (a.residual != nullptr) h_of_packs<Tin, Th, A, kVec, kChunk, true>(a, row_unit + first, valid, x, h);
+      else h_of_packs<Tin, Th, A, kVec, kChunk, false>(a, row_unit + first, valid, x, h);
+      if (staged) {
+#pragma unroll
+        for (int p = 0; p < kChunk; ++p) {
+          if (!valid[p]) continue;
+          RawPack<Th, kVec> packed;
+          if constexpr (std::is_same_v<Tin, Th>) {
+            if (a.residual == nullptr) packed = x[p];  // the input's bits as loaded
+          }
+          if (!std::is_same_v<Tin, Th> || a.residual != nullptr) {
+            Pack<Th, kVec> rounded;  // h is a value of Th: exact
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) rounded.v[j] = from_acc<Th>(h[p][j]);
+            packed = bits_as<RawPack<Th, kVec>>(rounded);
+          }
+          stage[slot + static_cast<int64_t>(p) * threads] = packed;
+        }
+      }
+      if constexpr (kDouble) {
+#pragma unroll
+        for (int p = 0; p < kChunk; ++p) {
+          if (!valid[p]) continue;
+          if constexpr (kRms) {
+            DoubleStat squares{};
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) squares.v[0] += h[p][j] * h[p][j];
+            welford.add(squares);
+          } else {
+            double sum = 0.0;
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) sum += h[p][j];
+            const double mean = sum * (1.0 / kVec);  // kVec is a power of two: exact
+            double m2 = 0.0;
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) m2 += (h[p][j] - mean) * (h[p][j] - mean);
+            welford.add(Welford<double>{double(kVec), mean, m2});
+          }
+        }
+      } else {
+        if (!kRms && first == me) {  // the thread's first pack (valid: first < units)
+          A sum = A(0);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) sum += h[0][j];
+          shift = sum * (A(1) / A(kVec));
+        }
+        ThreadSums part[kChunk];
+#pragma unroll
+        for (int p = 0; p < kChunk; ++p) {
+          part[p] = ThreadSums{};
+          if (valid[p]) {
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) {
+              const A d = h[p][j] - shift;
+              if constexpr (!kRms) part[p].v[0] += d;
+              part[p].v[kRms ? 0 : 1] += d * d;
+            }
+          }
+        }
+        static_assert(kChunk == 4, "the chunk's tree");
+        ThreadSums chunk = combine(combine(part[0], part[1]), combine(part[2], part[3]));
+        if (chunk.v[kRms ? 0 : 1] > std::numeric_limits<A>::max()) {
+          // Float squares overflow beyond |d| ~ 1.8e19 (ATen's float statistics give 0 or NaN there), or an
+          // infinity is held: this chunk's sums again in double, from the registers.
+#pragma unroll
+          for (int p = 0; p < kChunk; ++p) {
+            if (!valid[p]) continue;
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) {
+              const double d = static_cast<double>(h[p][j]) - static_cast<double>(shift);
+              wide_first += d;
+              wide_second += d * d;
+            }
+          }
+          chunk = ThreadSums{};
+        }
+        sums.add(chunk);
+      }
+    }
+
+    auto row_barrier = [&] {
+      if (cluster == 1) __syncthreads();
+      else cluster_sync();
+    };
+    // The row's statistics: one barrier (float64 rows: two).
+    RowStats<A> st;
+    const bool writer = me == 0;
+    if constexpr (kDouble) {
+      const DoubleStat s = row_allreduce(welford.total(), lanes, double_scratch);
+      if constexpr (kRms) {
+        st = finish_stats<kRms>(a, row, writer, A(0), 0.0, s.v[0] * a.inv_cols);
+      } else {
+        const A row_shift = static_cast<A>(s.mean);
+        st = finish_stats<kRms>(a, row, writer, row_shift, s.mean - static_cast<double>(row_shift), s.m2 * a.inv_cols);
+      }
+    } else {
+      const ThreadSums total = sums.total();
+      double first_sum = (kRms ? 0.0 : static_cast<double>(total.v[0])) + wide_first;
+      double second_sum = static_cast<double>(total.v[kRms ? 0 : 1]) + wide_second;
+      // The row's warps' states: those of block c at cluster_shared(warp_scratch[parity], c), warp w of the
+      // block at index w (warp c * kWarps + w of the row).
+      const WarpStat* const states = warp_scratch[parity];
+      auto row_warp = [&](int i) {
+        return cluster == 1 ? states[i] : cluster_shared(states, static_cast<unsigned>(i / kWarps))[i % kWarps];
+      };
+      if constexpr (kRms) {
+        const double squares = warp_allreduce(Sums<double, 1>{{second_sum}}, 32).v[0];
+        if ((threadIdx.x & 31) == 0) warp_scratch[parity][threadIdx.x / 32] = Sums<double, 1>{{squares}};
+        row_barrier();
+        const double total = merge_parts_sum([&](int i) { return row_warp(i).v[0]; }, lanes / 32);
+        st = finish_stats<kRms>(a, row, writer, A(0), 0.0, total * a.inv_cols);
+      } else {
+        const A centre = __shfl_sync(0xffffffffu, shift, 0);
+        recentre(static_cast<double>(thread_packs * kVec), static_cast<double>(shift), static_cast<double>(centre),
+                 first_sum, second_sum);
+        const Sums<double, 2> m = warp_allreduce(Sums<double, 2>{{first_sum, second_sum}}, 32);
+        if ((threadIdx.x & 31) == 0) {
+          warp_scratch[parity][threadIdx.x / 32] = ShiftedMoments{warp_values, static_cast<double>(centre), m.v[0], m.v[1]};
+        }
+        row_barrier();
+        double mean, m2;
+        merge_shifted_moments(row_warp, lanes / 32, a.inv_cols, mean, m2);
+        const A row_shift = static_cast<A>(mean);
+        st = finish_stats<kRms>(a, row, writer, row_shift, mean - static_cast<double>(row_shift), m2 * a.inv_cols);
+      }
+      parity ^= 1;  // the next row's round writes the other half: no second barrier (every thread of the cluster
+                    // has read this half before it reaches the next row's barrier)
+    }
+
+    // Pass 2: normalize. Each pack's weight and bias are loaded right before their use (they hit L2): loaded for
+    // the whole chunk first, they took 128 registers and spilled (ptxas, sm_90, bfloat16 rows with float weights).
     if constexpr (!kQuant) {
-      for (int64_t unit = threadIdx.x; unit < a.units; unit += blockDim.x) {
-        A h[kVec];
-        reload(unit, h);
-        normalize_store<Tin, Tw, kRms, A, kVec>(a, row, unit, h, st, load_affine<Tw, kRms, A, kVec>(a, unit),
-                                                a.cast_before_weight);
+      for (int64_t first = me, slot = threadIdx.x; first < a.units; first += chunk_step, slot += slot_step) {
+        bool valid[kChunk];
+        chunk_valid(first, valid);
+        A h[kChunk][kVec];
+        reload(first, slot, valid, h);
+#pragma unroll
+        for (int p = 0; p < kChunk; ++p) {
+          const int64_t unit = first + static_cast<int64_t>(p) * lanes;
+          if (valid[p]) {
+            normalize_store<Tin, Tw, kRms, A, kVec>(a, row, unit, h[p], st, load_affine<Tw, kRms, A, kVec>(a, unit),
+                                                    a.cast_before_weight);
+          }
+        }
       }
     } else {
       // Quantized output: a pass for the absmax (dynamic scale), then one for the codes.
@@ -525,23 +713,54 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       const QuantArgs& q = quant_args(quant...);
       float absmax = 0.0f;
       if (q.scale == nullptr) {
-        for (int64_t unit = threadIdx.x; unit < a.units; unit += blockDim.x) {
-          A h[kVec];
-          reload(unit, h);
-          absmax = fold_absmax<Tin, Tw, kRms, A, kVec>(a, h, st, load_affine<Tw, kRms, A, kVec>(a, unit), absmax);
+        for (int64_t first = me, slot = threadIdx.x; first < a.units; first += chunk_step, slot += slot_step) {
+          bool valid[kChunk];
+          chunk_valid(first, valid);
+          A h[kChunk][kVec];
+          reload(first, slot, valid, h);
+#pragma unroll
+          for (int p = 0; p < kChunk; ++p) {
+            const int64_t unit = first + static_cast<int64_t>(p) * lanes;
+            if (valid[p]) absmax = fold_absmax<Tin, Tw, kRms, A, kVec>(a, h[p], st, load_affine<Tw, kRms, A, kVec>(a, unit), absmax);
+          }
         }
       }
-      const quant::Scaling scaling =
-          row_scaling(q, row, threadIdx.x == 0, absmax, static_cast<int>(blockDim.x), absmax_scratch);
-      for (int64_t unit = threadIdx.x; unit < a.units; unit += blockDim.x) {
-        A h[kVec];
-        reload(unit, h);
-        quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row, unit, h, st, load_affine<Tw, kRms, A, kVec>(a, unit),
-                                               scaling);
+      quant::Scaling scaling;
+      if constexpr (kDouble) {
+        scaling = row_scaling(q, row, writer, absmax, lanes, absmax_scratch);
+      } else {
+        // The row's absmax over its warps (of every block of the cluster), as its statistics (parity: already
+        // the next row's, a buffer of its own).
+        if (q.scale == nullptr) {
+          absmax = warp_allreduce(AbsMax{absmax}, 32).v;
+          const AbsMax* const parts = warp_absmax[parity];
+          if ((threadIdx.x & 31) == 0) warp_absmax[parity][threadIdx.x / 32] = AbsMax{absmax};
+          row_barrier();
+          absmax = 0.0f;
+          for (int i = 0; i < lanes / 32; ++i) {  // NaN wins: any order gives the same
+            const AbsMax part = cluster == 1 ? parts[i] : cluster_shared(parts, static_cast<unsigned>(i / kWarps))[i % kWarps];
+            absmax = quant::nan_max(absmax, part.v);
+          }
+        }
+        scaling = row_scaling(q, row, writer, absmax, 1, absmax_scratch);  // lanes 1: the absmax is the row's
+      }
+      for (int64_t first = me, slot = threadIdx.x; first < a.units; first += chunk_step, slot += slot_step) {
+        bool valid[kChunk];
+        chunk_valid(first, valid);
+        A h[kChunk][kVec];
+        reload(first, slot, valid, h);
+#pragma unroll
+        for (int p = 0; p < kChunk; ++p) {
+          const int64_t unit = first + static_cast<int64_t>(p) * lanes;
+          if (valid[p]) {
+            quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row, unit, h[p], st, load_affine<Tw, kRms, A, kVec>(a, unit),
+                                                   scaling);
+          }
+        }
       }
     }
-    if (staged) __syncthreads();  // the next row overwrites the stage
   }
+  if (cluster > 1) cluster_sync();  // no block leaves while the others may still read its warps' states
 }
 
 }  // namespace cuda

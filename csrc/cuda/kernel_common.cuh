@@ -13,6 +13,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cooperative_groups.h>
+
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -25,6 +27,12 @@
 // on the GPU.
 #define LNX_COUNT_LOAD(bytes) ((void)0)
 #define LNX_COUNT_STORE(bytes) ((void)0)
+// Device code with thread-block clusters and distributed shared memory (sm_90 on).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define LNX_CLUSTERS 1
+#else
+#define LNX_CLUSTERS 0
+#endif
 
 namespace layernorm_ext {
 namespace cuda {
@@ -368,6 +376,96 @@ __device__ __forceinline__ Stat row_allreduce_one_barrier(Stat s, int lanes, Sta
     s = warp_allreduce(part < warps ? scratch[part] : Stat{}, width);
   }
   return s;
+}
+
+// A part of a row (a thread's values, a warp's) as sums about a shift of its own: its count, the shift, and the
+// sums of d = h - shift and of d^2, in double. Parts with different shifts merge without a division
+// (merge_shifted_moments): the long forward's float statistics, each thread's about its own first values.
+struct ShiftedMoments {
+  double n, shift, s1, s2;
+};
+
+// The sums of n values about `shift` (s1 = sum(d), s2 = sum(d^2)) recentred on `centre`, exactly as algebra:
+// with delta = shift - centre, sum(d + delta) = s1 + n delta and sum((d + delta)^2) = s2 + delta (s1 + s1').
+__device__ __forceinline__ void recentre(double n, double shift, double centre, double& s1, double& s2) {
+  const double delta = shift - centre;
+  const double moved = s1 + n * delta;
+  s2 += delta * (s1 + moved);
+  s1 = moved;
+}
+
+// The row's mean and M2 from `parts` ShiftedMoments, part(i) for i < parts: mean = sum(n shift + s1) / cols,
+// M2 = sum(s2 + dev (2 s1 + n dev)) with dev = shift - mean. Up to 32 parts, lane w of each group of pow2(parts)
+// lanes takes part w; beyond, lane l of the warp parts l, l + 32, ... in turn; the lanes add with butterflies:
+// every thread gets the same bits. One barrier per row (the caller's, before).
+template <typename Part>
+__device__ __forceinline__ void merge_shifted_moments(Part part, int parts, double inv_cols, double& mean, double& m2) {
+  const int width = parts < 32 ? pow2_at_least(parts) : 32;
+  const int first = threadIdx.x & (width - 1);
+  double total = 0.0;
+  for (int i = first; i < parts; i += width) {
+    const ShiftedMoments w = part(i);
+    total += w.n * w.shift + w.s1;
+  }
+  mean = warp_allreduce(Sums<double, 1>{{total}}, width).v[0] * inv_cols;
+  double deviations = 0.0;  // absent parts add nothing (no 0 * inf)
+  for (int i = first; i < parts; i += width) {
+    const ShiftedMoments w = part(i);
+    const double dev = w.shift - mean;
+    deviations += w.s2 + dev * (2.0 * w.s1 + w.n * dev);
+  }
+  m2 = warp_allreduce(Sums<double, 1>{{deviations}}, width).v[0];
+}
+
+// The row's sum from `parts` sums part(i), the same way.
+template <typename Part>
+__device__ __forceinline__ double merge_parts_sum(Part part, int parts) {
+  const int width = parts < 32 ? pow2_at_least(parts) : 32;
+  double total = 0.0;
+  for (int i = threadIdx.x & (width - 1); i < parts; i += width) total += part(i);
+  return warp_allreduce(Sums<double, 1>{{total}}, width).v[0];
+}
+
+// ---- thread-block clusters (sm_90) ----------------------------------------------------------------------
+
+// A barrier over every thread of the block's cluster; it orders their shared-memory accesses, distributed ones
+// included. Only for launches on clusters (launch_on_clusters), where the device code has them (LNX_CLUSTERS).
+__device__ __forceinline__ void cluster_sync() {
+#if LNX_CLUSTERS
+  cooperative_groups::this_cluster().sync();
+#elif defined(__CUDA_ARCH__)
+  __trap();  // the plan launches clusters only for kernels compiled for sm_90 on
+#endif
+}
+
+// `p`, in this block's shared memory, as the same variable in the shared memory of block `rank` of the cluster.
+template <typename T>
+__device__ __forceinline__ const T* cluster_shared(const T* p, unsigned rank) {
+#if LNX_CLUSTERS
+  return cooperative_groups::this_cluster().map_shared_rank(const_cast<T*>(p), rank);
+#else
+  return p;
+#endif
+}
+
+// kernel<<<grid, threads, shared_bytes, stream>>>(args...) on clusters of `cluster` blocks (1 to 16; beyond 8
+// the kernel must allow non-portable sizes), through cudaLaunchKernelEx and its cluster dimension attribute.
+template <typename... Params, typename... Args>
+void launch_on_clusters(void (*kernel)(Params...), unsigned grid, unsigned threads, size_t shared_bytes,
+                        cudaStream_t stream, unsigned cluster, Args... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
 }
 
 constexpr int kMaxRowThreads = 512;   // threads per row of the register paths, and block size of the long path

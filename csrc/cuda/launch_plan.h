@@ -20,6 +20,9 @@ struct DeviceLimits {
   std::function<int64_t()> max_shared_per_block;  // bytes a block may opt in to
   // Blocks of `kernel` resident on the whole GPU at once (persistent grids): blocks per SM x SMs.
   std::function<int64_t(const void* kernel, int threads, size_t shared_bytes)> resident_blocks;
+  // Whether `kernel` may be launched on thread-block clusters: the device is sm_90 or newer and the kernel's
+  // code was compiled for it (the long forward splits rows that one block cannot stage over a cluster).
+  std::function<bool(const void* kernel)> has_clusters;
 };
 
 struct LaunchPlan {
@@ -32,6 +35,7 @@ struct LaunchPlan {
   int packs = 0;           // packs per lane (register paths; 0 on the long paths)
   int vec = 1;             // elements per pack
   bool staged = false;     // long forward: the row staged in shared memory
+  int cluster = 1;         // blocks per thread-block cluster (long forward on sm_90: the blocks of one row)
   bool persistent = false; // grid capped at the resident blocks, each block striding over rows
   int64_t row_groups = 0;  // rows / rows_per_block, rounded up: the grid of a non-persistent launch
 };
@@ -51,6 +55,7 @@ struct PlanQuery {
   int sm_count = 0;
   int64_t max_shared_per_block = 0;
   int blocks_per_sm = 0;  // resident blocks per SM of the chosen kernel; 0: unknown, persistent grid uncapped
+  int compute_capability = 0;  // major * 10 + minor (90: sm_90, clusters); 0: unknown, no clusters
 };
 
 // Defined per input dtype in launch_{f32,f64,f16,bf16}.cu, with the launchers' own code.

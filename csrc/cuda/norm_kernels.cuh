@@ -43,6 +43,7 @@ namespace cuda {
 // ---- host side: planning and launching -------------------------------------------------------------------
 
 constexpr int kSmallRowsBlock = 128;  // block size when a (sub-)warp handles a row
+constexpr int kMaxCluster = 16;       // blocks of a thread-block cluster (beyond 8: a non-portable size)
 
 struct RowPlan {
   bool long_path = false;
@@ -131,6 +132,12 @@ inline DeviceLimits current_device_limits() {
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes));
     return static_cast<int64_t>(std::max(per_sm, 1)) * device_attribute(cudaDevAttrMultiProcessorCount);
   };
+  device.has_clusters = [](const void* kernel) {
+    if (device_attribute(cudaDevAttrComputeCapabilityMajor) < 9) return false;
+    cudaFuncAttributes attributes{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+    return attributes.binaryVersion >= 90;  // the code that runs has the cluster barriers (LNX_CLUSTERS)
+  };
   return device;
 }
 
@@ -175,16 +182,31 @@ LaunchPlan plan_forward_vec(int64_t rows, int64_t cols, const DeviceLimits& devi
     plan.grid = grid_for(plan.row_groups);
     plan.kernel = kernel_name<Tin, Th, Tw>("forward_rows_kernel", kRms, kVec, plan.packs, kQuant);
   } else {
-    plan.lanes = kMaxRowThreads;
+    // The stage holds the row in its own dtype Th (a block's share of it on a cluster: kMaxRowThreads slots per
+    // kMaxRowThreads x cluster packs of the row), beside the kernel's warps' states and static shared memory.
+    const int64_t budget = device.max_shared_per_block() - static_cast<int64_t>(kLongStaticShared + kLongScratchBytes);
+    const int64_t units = cols / kVec;
+    auto stage_bytes = [&](int cluster) {
+      const int64_t row_threads = static_cast<int64_t>(kMaxRowThreads) * cluster;
+      return (units + row_threads - 1) / row_threads * kMaxRowThreads * static_cast<int64_t>(kVec * sizeof(Th));
+    };
+    // A row that one block cannot stage goes to the fewest blocks of a cluster (2 to kMaxCluster) that can: each
+    // input element is then read from DRAM once. sm_90 only; not for float64 rows (their Welford all-reduce).
+    // The quantized output takes the same mapping as the plain one (its codes are those of the plain output).
+    int cluster = 1;
+    if (stage_bytes(1) > budget && !std::is_same_v<A, double> &&
+        device.has_clusters(reinterpret_cast<const void*>(forward_long_kernel<Tin, Th, Tw, kRms, kVec>))) {
+      int fits = 2;
+      while (fits <= kMaxCluster && stage_bytes(fits) > budget) ++fits;
+      if (fits <= kMaxCluster) cluster = fits;
+    }
+    plan.cluster = cluster;
+    plan.lanes = kMaxRowThreads * cluster;
     plan.threads = kMaxRowThreads;
-    const size_t stage = static_cast<size_t>(cols) * sizeof(A);
-    // The kernel's static shared memory: its all-reduce scratch (a double Welford state or sum per warp) and
-    // the quantized output's absmax scratch.
-    constexpr size_t kStaticShared = (sizeof(Welford<double>) + sizeof(AbsMax)) * (kMaxRowThreads / 32);
-    plan.staged = stage <= static_cast<size_t>(device.max_shared_per_block()) - kStaticShared;
-    plan.dynamic_shared = plan.staged ? stage : 0;
+    plan.staged = stage_bytes(cluster) <= budget;
+    plan.dynamic_shared = kLongScratchBytes + (plan.staged ? static_cast<size_t>(stage_bytes(cluster)) : 0);
     plan.row_groups = rows;
-    plan.grid = grid_for(rows);
+    plan.grid = grid_for(rows * cluster) / cluster * cluster;  // whole clusters
     plan.kernel = kernel_name<Tin, Th, Tw>("forward_long_kernel", kRms, kVec, 0, kQuant);
   }
   return plan;
@@ -240,7 +262,13 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(plan.dynamic_shared)));
       }
-      LNX_LAUNCH(kernel, grid, plan.threads, plan.dynamic_shared, stream)(a, plan.staged, quant...);
+      if (plan.cluster == 1) {
+        LNX_LAUNCH(kernel, grid, plan.threads, plan.dynamic_shared, stream)(a, plan.staged, quant...);
+      } else {
+        if (plan.cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+        launch_on_clusters(kernel, grid, plan.threads, plan.dynamic_shared, stream, static_cast<unsigned>(plan.cluster), a,
+                           plan.staged, quant...);
+      }
     };
     if constexpr (kQuant) {
       launch(forward_long_kernel<Tin, Th, Tw, kRms, kVec, QuantArgs>, q);
@@ -468,6 +496,7 @@ LaunchPlan plan_for_input(const PlanQuery& query) {
   device.resident_blocks = [&](const void*, int, size_t) {
     return static_cast<int64_t>(query.blocks_per_sm) * query.sm_count;
   };
+  device.has_clusters = [&](const void*) { return query.compute_capability >= 90; };
   constexpr int kVec = pack_width<Tin>();
   LaunchPlan plan;
   dispatch_row_and_param_types<Tin>(query.row_type, query.param_type, [&](auto row_tag, auto param_tag) {

@@ -1,11 +1,15 @@
 // A host emulation of the little of CUDA that the kernels of csrc/cuda/*.cuh use, so that the very same kernel
 // and launcher code can run (slowly) on a machine without a GPU. Each CUDA thread of a block is a fiber on
-// the calling thread (a context switch of our own on x86-64, ucontext elsewhere); blocks run one after another. __syncthreads switches to the next fiber,
+// the calling thread (a context switch of our own on x86-64, ucontext elsewhere); blocks run one after another,
+// the blocks of one thread-block cluster together (their threads' fibers interleaved, so that a cluster barrier
+// can wait for all of them; a __syncthreads then waits for the whole cluster too). __syncthreads switches to the next fiber,
 // so the block's threads advance in lockstep from barrier to barrier (the order within a phase is the fiber
 // order; the kernels must not depend on it, and on a GPU they could not). __shfl_xor_sync goes through a
 // per-block exchange buffer between two barriers (the kernels call it with every thread of the block, as
 // they must on the GPU for whole-warp masks). __shared__ variables are static: shared by the threads of the
-// one block that runs at a time. Half types are c10::Half / c10::BFloat16.
+// one block that runs at a time (and by all the blocks of a cluster: kernels launched on clusters keep what is
+// per block in dynamic shared memory, one buffer per block, which cluster.map_shared_rank checks). Half types
+// are c10::Half / c10::BFloat16.
 //
 // Tests only (tests/test_cuda_emulation.py). It checks indexing, thread mappings, reductions, plans and
 // launch logic; it cannot check GPU timing, memory ordering on real hardware or the CUDA compiler.
@@ -24,6 +28,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #define __global__
@@ -70,8 +75,34 @@ inline dim3 gridDim;
 using cudaStream_t = void*;
 using cudaError_t = int;
 constexpr cudaError_t cudaSuccess = 0;
-enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount, cudaDevAttrMaxSharedMemoryPerBlockOptin };
-enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
+enum cudaDeviceAttr {
+  cudaDevAttrMultiProcessorCount,
+  cudaDevAttrMaxSharedMemoryPerBlockOptin,
+  cudaDevAttrComputeCapabilityMajor
+};
+struct cudaFuncAttributes {
+  int binaryVersion = 0;
+};
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize, cudaFuncAttributeNonPortableClusterSizeAllowed };
+enum cudaLaunchAttributeID { cudaLaunchAttributeClusterDimension };
+struct cudaLaunchAttributeValue {
+  struct {
+    unsigned x, y, z;
+  } clusterDim;
+};
+struct cudaLaunchAttribute {
+  cudaLaunchAttributeID id;
+  cudaLaunchAttributeValue val;
+};
+struct cudaLaunchConfig_t {
+  dim3 gridDim, blockDim;
+  size_t dynamicSmemBytes = 0;
+  cudaStream_t stream = nullptr;
+  cudaLaunchAttribute* attrs = nullptr;
+  unsigned numAttrs = 0;
+};
+// Device code with thread-block clusters: the emulation has them (an sm_90 mapping).
+#define LNX_CLUSTERS 1
 
 namespace emulation {
 
@@ -112,8 +143,8 @@ struct Context {
 inline void switch_context(Context& from, const Context& to) { lnx_emulation_switch(&from.sp, to.sp); }
 
 // A fiber that starts in entry() (which must never return) on `stack`.
-inline void make_context(Context& c, std::vector<char>& stack, void (*entry)()) {
-  const uintptr_t top = (reinterpret_cast<uintptr_t>(stack.data()) + stack.size()) & ~uintptr_t{15};
+inline void make_context(Context& c, char* stack, size_t stack_bytes, void (*entry)()) {
+  const uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + stack_bytes) & ~uintptr_t{15};
   void** sp = reinterpret_cast<void**>(top) - 8;  // six saved registers, entry() as the return address, a slot
   for (int i = 0; i < 6; ++i) sp[i] = nullptr;
   sp[6] = reinterpret_cast<void*>(entry);
@@ -127,10 +158,10 @@ struct Context {
 
 inline void switch_context(Context& from, const Context& to) { swapcontext(&from.uc, &to.uc); }
 
-inline void make_context(Context& c, std::vector<char>& stack, void (*entry)()) {
+inline void make_context(Context& c, char* stack, size_t stack_bytes, void (*entry)()) {
   getcontext(&c.uc);
-  c.uc.uc_stack.ss_sp = stack.data();
-  c.uc.uc_stack.ss_size = stack.size();
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = stack_bytes;
   c.uc.uc_link = nullptr;
   makecontext(&c.uc, entry, 0);
 }
@@ -140,6 +171,8 @@ inline void make_context(Context& c, std::vector<char>& stack, void (*entry)()) 
 constexpr int kSMs = 3;
 constexpr int kBlocksPerSM = 2;
 constexpr int kSharedOptin = 100 * 1024;
+constexpr int kComputeCapability = 90;  // the sm_90 mapping: long rows on thread-block clusters
+constexpr unsigned kMaxCluster = 16;    // non-portable cluster sizes allowed
 
 // Global memory traffic per launch (and per cudaMemsetAsync), in bytes: the kernels count their global
 // accesses through kernel_common.cuh's helpers (load_pack(s), store_pack, load_global, store_global). Tests read
@@ -167,18 +200,21 @@ inline void count_global_store(size_t bytes) {
   if (current_traffic() != nullptr) current_traffic()->stored += bytes;
 }
 
-// The running block: one fiber per CUDA thread, resumed in turn until each reaches the next barrier.
+// The running block, or cluster of blocks: one fiber per CUDA thread (block b's thread t is fiber b * count + t),
+// resumed in turn until each reaches the next barrier.
 struct Block {
   std::vector<Context> fibers;
-  std::vector<std::vector<char>> stacks;
+  std::vector<std::unique_ptr<char[]>> stacks;  // not zeroed: a page is taken only where a fiber reaches it
   std::vector<bool> done;
   Context scheduler;
   unsigned current = 0;
-  unsigned count = 0;
+  unsigned count = 0;    // threads per block
+  unsigned cluster = 1;  // blocks run together
   std::function<void()> body;  // the kernel call, run by every fiber
   std::exception_ptr error;
   std::vector<double> exchange;  // one slot per thread, for shuffles
-  std::vector<unsigned char> dynamic_shared;
+  std::vector<std::vector<unsigned char>> dynamic_shared;  // one buffer per block of the cluster
+  unsigned block_of_current() const { return current / count; }
 };
 
 inline Block& block() {
@@ -186,7 +222,8 @@ inline Block& block() {
   return b;
 }
 
-inline unsigned thread_rank() { return threadIdx.x + threadIdx.y * blockDim.x; }
+// The running fiber's index among the cluster's threads (a shuffle's lane: warps never straddle blocks).
+inline unsigned thread_rank() { return block().current; }
 
 inline void fiber_main() {
   Block& b = block();
@@ -206,16 +243,21 @@ inline void yield_to_scheduler() {
 }
 
 template <typename Kernel, typename... Args>
-void launch(Kernel kernel, dim3 grid, dim3 threads, size_t shared_bytes, Args... args) {
+void launch(Kernel kernel, dim3 grid, dim3 threads, size_t shared_bytes, unsigned cluster, Args... args) {
   TORCH_CHECK(grid.x > 0 && threads.x > 0, "emulated launch: empty grid or block");
   TORCH_CHECK(threads.x * threads.y <= 1024, "emulated launch: more than 1024 threads per block");
   TORCH_CHECK(shared_bytes <= static_cast<size_t>(kSharedOptin), "emulated launch: too much shared memory");
+  TORCH_CHECK(cluster >= 1 && cluster <= kMaxCluster && grid.x % cluster == 0,
+              "emulated launch: the grid is not a whole number of clusters of ", cluster, " blocks");
+  TORCH_CHECK((threads.x * threads.y) % 32 == 0 || cluster == 1, "emulated launch: clusters of partial warps");
   constexpr size_t kStack = 256 * 1024;
   Block& b = block();
   b.count = threads.x * threads.y;
-  b.exchange.assign(b.count, 0.0);
-  b.fibers.resize(b.count);
-  if (b.stacks.size() < b.count) b.stacks.resize(b.count);
+  b.cluster = cluster;
+  const unsigned fibers = b.count * cluster;
+  b.exchange.assign(fibers, 0.0);
+  b.fibers.resize(fibers);
+  while (b.stacks.size() < fibers) b.stacks.emplace_back(new char[kStack]);
   b.body = [&] { kernel(args...); };
   b.error = nullptr;
   traffic_log().push_back(Traffic{grid.x, b.count, 0, 0});
@@ -228,27 +270,28 @@ void launch(Kernel kernel, dim3 grid, dim3 threads, size_t shared_bytes, Args...
       current_traffic() = nullptr;
     }
   } record{traffic};
-  for (unsigned bx = 0; bx < grid.x; ++bx) {
-    b.dynamic_shared.assign(shared_bytes + 16, 0xAB);  // garbage: nothing may read it before writing
-    b.done.assign(b.count, false);
-    for (unsigned t = 0; t < b.count; ++t) {
-      b.stacks[t].resize(kStack);
-      make_context(b.fibers[t], b.stacks[t], fiber_main);
+  b.dynamic_shared.resize(cluster);
+  for (unsigned first_block = 0; first_block < grid.x; first_block += cluster) {
+    for (auto& shared : b.dynamic_shared) shared.assign(shared_bytes + 16, 0xAB);  // garbage: nothing may read it before writing
+    b.done.assign(fibers, false);
+    for (unsigned f = 0; f < fibers; ++f) {
+      make_context(b.fibers[f], b.stacks[f].get(), kStack, fiber_main);
     }
-    blockIdx = {bx, 0, 0};
     blockDim = threads;
     gridDim = grid;
     unsigned finished = 0;
-    while (finished < b.count) {  // one phase: every fiber runs to its next barrier (or its end)
+    while (finished < fibers) {  // one phase: every fiber runs to its next barrier (or its end)
       unsigned finished_now = 0;
-      for (unsigned t = 0; t < b.count; ++t) {
-        if (b.done[t]) continue;
-        b.current = t;
+      for (unsigned f = 0; f < fibers; ++f) {
+        if (b.done[f]) continue;
+        b.current = f;
+        const unsigned t = f % b.count;
+        blockIdx = {first_block + f / b.count, 0, 0};
         threadIdx = {t % threads.x, t / threads.x, 0};
-        switch_context(b.scheduler, b.fibers[t]);
-        if (b.done[t]) ++finished_now;
+        switch_context(b.scheduler, b.fibers[f]);
+        if (b.done[f]) ++finished_now;
       }
-      TORCH_CHECK(finished_now == 0 || finished + finished_now == b.count,
+      TORCH_CHECK(finished_now == 0 || finished + finished_now == fibers,
                   "emulated launch: some threads of a block left while others wait at a barrier");
       finished += finished_now;
     }
@@ -267,7 +310,7 @@ struct BoundLaunch {
   Launcher launcher;
   template <typename... Args>
   void operator()(Args... args) const {
-    launch(kernel, launcher.grid, launcher.threads, launcher.shared_bytes, args...);
+    launch(kernel, launcher.grid, launcher.threads, launcher.shared_bytes, 1u, args...);
   }
 };
 
@@ -280,6 +323,27 @@ BoundLaunch<Kernel> bind(Kernel kernel, const Launcher& launcher) {
 
 inline void __syncthreads() { emulation::yield_to_scheduler(); }
 
+// Thread-block clusters: the cluster's blocks run together (emulation::launch), so a cluster barrier is a switch
+// to the scheduler like __syncthreads; map_shared_rank finds the same offset in another block's dynamic shared
+// memory (the only per-block shared memory of the emulation: a static __shared__ pointer is refused).
+namespace cooperative_groups {
+struct cluster_group {
+  void sync() const { emulation::yield_to_scheduler(); }
+  unsigned block_rank() const { return emulation::block().block_of_current(); }
+  unsigned num_blocks() const { return emulation::block().cluster; }
+  template <typename T>
+  T* map_shared_rank(T* p, unsigned rank) const {
+    emulation::Block& b = emulation::block();
+    const auto& mine = b.dynamic_shared[b.block_of_current()];
+    const auto* bytes = reinterpret_cast<const unsigned char*>(p);
+    TORCH_CHECK(rank < b.cluster && bytes >= mine.data() && bytes < mine.data() + mine.size(),
+                "emulated map_shared_rank: not in this block's dynamic shared memory, or no block ", rank);
+    return reinterpret_cast<T*>(b.dynamic_shared[rank].data() + (bytes - mine.data()));
+  }
+};
+inline cluster_group this_cluster() { return {}; }
+}  // namespace cooperative_groups
+
 template <typename T>
 T __shfl_xor_sync(unsigned /*mask*/, T value, int offset) {
   emulation::Block& b = emulation::block();
@@ -291,12 +355,31 @@ T __shfl_xor_sync(unsigned /*mask*/, T value, int offset) {
   return other;
 }
 
+// The value of lane src_lane of the caller's warp (the kernels call it with every thread of the block).
+template <typename T>
+T __shfl_sync(unsigned /*mask*/, T value, int src_lane) {
+  emulation::Block& b = emulation::block();
+  const unsigned me = emulation::thread_rank();
+  b.exchange[me] = static_cast<double>(value);
+  emulation::yield_to_scheduler();
+  const T other = static_cast<T>(b.exchange[(me & ~31u) + static_cast<unsigned>(src_lane & 31)]);
+  emulation::yield_to_scheduler();
+  return other;
+}
+
 inline cudaError_t cudaGetDevice(int* device) {
   *device = 0;
   return cudaSuccess;
 }
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int /*device*/) {
-  *value = attr == cudaDevAttrMultiProcessorCount ? emulation::kSMs : emulation::kSharedOptin;
+  *value = attr == cudaDevAttrMultiProcessorCount      ? emulation::kSMs
+           : attr == cudaDevAttrComputeCapabilityMajor ? emulation::kComputeCapability / 10
+                                                       : emulation::kSharedOptin;
+  return cudaSuccess;
+}
+template <typename Kernel>
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attributes, Kernel) {
+  attributes->binaryVersion = emulation::kComputeCapability;
   return cudaSuccess;
 }
 template <typename Kernel>
@@ -305,8 +388,24 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel, i
   return cudaSuccess;
 }
 template <typename Kernel>
-cudaError_t cudaFuncSetAttribute(Kernel, cudaFuncAttribute, int value) {
-  TORCH_CHECK(value <= emulation::kSharedOptin, "emulated cudaFuncSetAttribute: ", value, " bytes");
+cudaError_t cudaFuncSetAttribute(Kernel, cudaFuncAttribute attribute, int value) {
+  TORCH_CHECK(attribute != cudaFuncAttributeMaxDynamicSharedMemorySize || value <= emulation::kSharedOptin,
+              "emulated cudaFuncSetAttribute: ", value, " bytes");
+  return cudaSuccess;
+}
+// The cluster dimension attribute (1-D clusters) is the only one the kernels set.
+template <typename... Params, typename... Args>
+cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(Params...), Args... args) {
+  unsigned cluster = 1;
+  for (unsigned i = 0; i < config->numAttrs; ++i) {
+    if (config->attrs[i].id == cudaLaunchAttributeClusterDimension) {
+      TORCH_CHECK(config->attrs[i].val.clusterDim.y == 1 && config->attrs[i].val.clusterDim.z == 1,
+                  "emulated cudaLaunchKernelEx: 1-D clusters only");
+      cluster = config->attrs[i].val.clusterDim.x;
+    }
+  }
+  emulation::launch(kernel, config->gridDim, config->blockDim, config->dynamicSmemBytes, cluster,
+                    static_cast<Params>(args)...);
   return cudaSuccess;
 }
 inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
@@ -319,7 +418,8 @@ inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_
 #define C10_CUDA_KERNEL_LAUNCH_CHECK() ((void)0)
 #define LNX_LAUNCH(kernel, grid, block, shared_bytes, stream) \
   ::emulation::bind(kernel, ::emulation::Launcher{dim3(grid), dim3(block), static_cast<size_t>(shared_bytes)})
-#define LNX_DYNAMIC_SHARED(name) unsigned char* name = ::emulation::block().dynamic_shared.data()
+#define LNX_DYNAMIC_SHARED(name) \
+  unsigned char* name = ::emulation::block().dynamic_shared[::emulation::block().block_of_current()].data()
 #define LNX_COUNT_LOAD(bytes) ::emulation::count_global_load(bytes)
 #define LNX_COUNT_STORE(bytes) ::emulation::count_global_store(bytes)
 

@@ -74,6 +74,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         q.sm_count = emulation::kSMs;
         q.max_shared_per_block = emulation::kSharedOptin;
         q.blocks_per_sm = emulation::kBlocksPerSM;
+        q.compute_capability = emulation::kComputeCapability;
         cuda::LaunchPlan plan;
         switch (input_type) {
           case at::kFloat: plan = cuda::plan_for_input<float>(q); break;
@@ -90,9 +91,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["rows_per_block"] = plan.rows_per_block;
         d["packs"] = plan.packs;
         d["staged"] = plan.staged;
+        d["cluster"] = plan.cluster;
+        d["dynamic_shared"] = plan.dynamic_shared;
         return d;
       },
-      "the launchers' plan on the emulated GPU (3 SMs x 2 blocks, 100 KiB of shared memory per block)");
+      "the launchers' plan on the emulated GPU (sm_90: 3 SMs x 2 blocks, 100 KiB of shared memory per block, "
+      "clusters of up to 16 blocks)");
   namespace py = pybind11;
   m.def(
       "layer_norm_fwd",
