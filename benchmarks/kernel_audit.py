@@ -60,7 +60,7 @@ TARGET_ARCH = "sm_90"
 # address derives from. Keep in step with the structs (the audit fails when the input stream is not found).
 FORWARD_POINTERS = ("input", "residual", "weight", "bias", "out", "residual_out", "mean", "rstd")
 BACKWARD_POINTERS = ("grad_out", "grad_residual_out", "saved", "mean", "rstd", "weight", "bias", "grad_input",
-                     "partial_dweight", "partial_dbias")
+                     "partial_dweight", "partial_dbias", "row_terms")
 # Streams with one access per element (DRAM traffic); weight / bias are per column (L2), mean / rstd per row.
 ELEMENT_STREAMS = {"input", "residual", "out", "residual_out", "grad_out", "grad_residual_out", "saved",
                    "grad_input", "partial_dweight", "partial_dbias"}
@@ -73,7 +73,7 @@ def call_streams(op: str, direction: str) -> tuple[set[str], set[str]]:
     if direction == "forward":
         used = {"input", "weight", "out", "rstd"} | (set() if rms else {"bias", "mean"})
         return used, set(FORWARD_POINTERS) - used
-    used = {"grad_out", "saved", "rstd", "weight", "grad_input", "partial_dweight"}
+    used = {"grad_out", "saved", "rstd", "weight", "grad_input", "partial_dweight", "row_terms"}
     used |= set() if rms else {"mean", "partial_dbias"}
     return used, set(BACKWARD_POINTERS) - used
 
@@ -175,7 +175,9 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         "merge": max(lanes // 32 - 1, 0),
         "other": 1,
     }
-    multiplicity = {b: 1.0 for b in region}
+    # Code outside the loops runs once per row, or (the long backward's column pass: once_per_row < 1) once per
+    # group of rows.
+    multiplicity = {b: plan.get("once_per_row", 1.0) for b in region}
     top = [loop for loop in inner if not any(other.contains(loop) for other in inner)]
     top.sort(key=lambda loop: loop.header)
     groups: list[list[sass.Loop]] = []
@@ -375,8 +377,9 @@ def audit(library: str, archs: Iterable[str], plan_function) -> list[Row]:
             plan = plan_function(op=op, direction=direction, input_dtype=dtype, rows=m, cols=n, sm_count=arch.sms,
                                  max_shared_per_block=arch.shared_per_block)
             plans[(op, dtype, direction, n)] = plan
-        wanted = {by_kernel[p["kernel"]] for p in plans.values() if p["kernel"] in by_kernel}
-        missing = {p["kernel"] for p in plans.values()} - set(by_kernel)
+        names = {p["kernel"] for p in plans.values()} | {p["sums_kernel"] for p in plans.values() if p.get("sums_kernel")}
+        wanted = {by_kernel[name] for name in names if name in by_kernel}
+        missing = names - set(by_kernel)
         if missing:
             raise RuntimeError(f"{arch_name}: planned kernels not in the library: {sorted(missing)[:3]}")
         functions = sass.parse_sass(sass.disassemble(library, arch_name, sorted(wanted)), wanted)
@@ -392,18 +395,22 @@ def audit(library: str, archs: Iterable[str], plan_function) -> list[Row]:
                                      sm_count=arch.sms, max_shared_per_block=arch.shared_per_block,
                                      blocks_per_sm=resident)
             plan = dict(plan, cols=n)
+            buffers = 1 if op == "rms_norm" else 2
+            if plan.get("sums_kernel"):
+                row = long_backward_row(arch, functions[by_kernel[plan["sums_kernel"]]], function, plan, op, dtype, m,
+                                        resident, analyzed)
+                row.dram_per_element += plan["row_groups"] * n * 4 * buffers / (m * n)  # the reduce kernel's read
+                rows.append(row)
+                continue
             key = (plan["kernel"], plan["lanes"], plan["threads"], plan["staged"], -(-n // plan["vec"]))
             if key not in analyzed:
                 analyzed[key] = analyze_row_path(function, arch, plan, op, direction)
             figures = analyzed[key]
             elements_per_thread = n / plan["lanes"]
             dram = figures.element_bytes / elements_per_thread
-            if direction == "backward":  # partial buffers: the long path's memset, the reduce kernel's read
-                buffers = 1 if op == "rms_norm" else 2
+            if direction == "backward":  # partial buffers: the rows kernel's write of its block partials, the reduce
                 partial = plan["grid"] * n * 4 * buffers
-                dram += (2 if not plan["packs"] else 1) * partial / (m * n)
-                if plan["packs"]:
-                    dram += partial / (m * n)  # the rows kernel's own write of its block partials
+                dram += 2 * partial / (m * n)
             stl = sum(i.access_bytes() for i in function.instructions if i.op == "STL")
             rows.append(Row(
                 arch=arch_name, op=op, dtype=dtype, direction=direction, n=n, rows=m, plan=plan,
@@ -415,6 +422,37 @@ def audit(library: str, archs: Iterable[str], plan_function) -> list[Row]:
                 dram_per_element=dram,
             ))
     return rows
+
+
+def long_backward_row(arch: Arch, sums_function: sass.Function, function: sass.Function, plan: dict, op: str,
+                      dtype: str, m: int, resident: int, analyzed: dict) -> Row:
+    """The long backward's two passes as one row: the sums pass (a block of 256 threads per row, a column loop
+    like the other long paths) and the column pass (a thread owns one pack of a row, its row loop counted once
+    per row, its set-up and partials' store once per group of rows); instructions, FP64, barriers and bytes
+    added, registers the larger, spills both, in-flight the smaller of the two."""
+    n, vec = plan["cols"], plan["vec"]
+    sums_plan = dict(plan, kernel=plan["sums_kernel"], lanes=256, threads=256)  # kLongThreads per row
+    column_plan = dict(plan, lanes=plan["threads"], cols=vec * plan["threads"], once_per_row=1 / plan["group_rows"])
+    key = (plan["kernel"], n, plan["group_rows"])
+    if key not in analyzed:
+        analyzed[key] = (analyze_row_path(sums_function, arch, sums_plan, op, "backward"),
+                         analyze_row_path(function, arch, column_plan, op, "backward"))
+    sums, columns = analyzed[key]
+    sums_per_thread = n / sums_plan["lanes"]  # elements per thread per row in each pass
+    sums_resident = blocks_per_sm(arch, sums_function.registers, sums_function.shared, sums_plan["threads"])
+    inflight = min(sums.row_loads_before_use * sums_resident * sums_plan["threads"],
+                   columns.row_loads_before_use * resident * plan["threads"]) / 1024
+    stl = sum(i.access_bytes() for f in (sums_function, function) for i in f.instructions if i.op == "STL")
+    return Row(
+        arch=arch.name, op=op, dtype=dtype, direction="backward", n=n, rows=m, plan=plan,
+        registers=max(sums_function.registers, function.registers), spill_bytes=stl, blocks=resident,
+        threads_per_sm=resident * plan["threads"],
+        loads_before_use=max(sums.loads_before_use, columns.loads_before_use),
+        row_loads_before_use=min(sums.row_loads_before_use, columns.row_loads_before_use), inflight_kb=inflight,
+        barriers=sums.barriers + columns.barriers, fp64=sums.fp64 + columns.fp64,
+        per_element=sums.instructions / sums_per_thread + columns.instructions / vec,
+        dram_per_element=sums.element_bytes / sums_per_thread + columns.element_bytes / vec,
+    )
 
 
 # ---- targets ---------------------------------------------------------------------------------------------------

@@ -125,20 +125,23 @@ __device__ __forceinline__ void write_block_partials(const BackwardArgs<A>& a, A
 // 512-thread block per SM allows.
 constexpr int kBackwardRowsMinBlocks = 1;
 
-// The long path's two kernels. backward_long_sums_kernel: 512-thread blocks, kLongSumsPacks packs of dy, saved
-// and weight per thread in flight, a pairwise merge of its batch sums; backward_long_kernel: kLongColumnThreads
-// threads per block, kLongRowsInFlight rows of dy, saved (and grad_residual_out) in flight per thread, its
-// columns' dweight / dbias in registers. Both at 64 registers for float rows (1024 threads per SM), 128 for
-// double rows.
-template <int kVec>
-constexpr int kLongSumsPacks = kVec == 1 ? 8 : 2;  // 2 x 16 bytes per stream; single elements: 8 x 2-4 bytes
-template <int kVec>
-constexpr int kLongRowsInFlight = kVec == 1 ? 4 : 2;
-constexpr int kLongColumnThreads = 256;
+// The long path's two kernels, both in blocks of kLongThreads. backward_long_sums_kernel: kLongPacks packs of
+// dy, saved and weight per thread in flight; backward_long_kernel: kLongPacks rows of dy, saved (and
+// grad_residual_out) per thread in flight and its columns' dweight / dbias in registers. kLongPacks: 32 bytes of
+// saved (2 packs of 16-bit rows, 1 of float rows read with 16-bit dy), at most 4 single elements. Float rows: 3
+// blocks per SM (80 registers), 2 with grad_residual_out (at 64 registers, 4 blocks, ptxas spilled 16-216 bytes
+// per thread in either kernel); double rows: 2 blocks (128 registers), 1 where a pack holds 8 of them (16-bit
+// dy with double rows: at 128 registers the column pass spilled 24-56 bytes).
+template <typename Ts, int kVec>
+constexpr int kLongPacks = 32 / static_cast<int>(sizeof(Ts)) / kVec < 1   ? 1
+                           : 32 / static_cast<int>(sizeof(Ts)) / kVec > 4 ? 4
+                                                                           : 32 / static_cast<int>(sizeof(Ts)) / kVec;
+constexpr int kLongThreads = 256;
 constexpr int64_t kLongGroupRows = 64;  // at most: a thread adds at most this many rows' terms in float
-template <typename A>
-constexpr int backward_long_min_blocks(int threads) {
-  return (sizeof(A) == 8 ? 1024 : 2048) / 2 / threads;  // double: 512 threads per SM; float: 1024
+template <typename A, int kVec, bool kResidual>
+constexpr int backward_long_min_blocks() {
+  if constexpr (sizeof(A) == 8) return kVec >= 8 ? 1 : 2;
+  else return kResidual ? 2 : 3;
 }
 
 // The terms of element j of a lane's pack, converted from the raw packs (twice per row: for the sums, then for
@@ -275,20 +278,20 @@ __global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
   if (want_dbias) write_block_partials(a, dbias, a.partial_dbias, combine_buf, group, lane);
 }
 
-// Long rows, pass 1 (backward_long_sums_kernel), persistent: one block of kMaxRowThreads per row, striding over
-// rows by gridDim.x. Thread t takes packs t, t + blockDim, ... of dy, saved and the weight, kLongSumsPacks at a
+// Long rows, pass 1 (backward_long_sums_kernel), persistent: one block of kLongThreads per row, striding over
+// rows by gridDim.x. Thread t takes packs t, t + blockDim, ... of dy, saved and the weight, kLongPacks at a
 // time, all of a batch's loads issued before any use. Registers: the batch's raw packs and the thread's sums
-// sum(g), sum(g * d) (and sum(d)) in the compute type, each batch's sums merged pairwise (PairwiseMerge: an error
-// growing with log2(batches), not with their count). Reduction: the block's all-reduce with one barrier (the
+// sum(g), sum(g * d) (and sum(d)) in the compute type, each batch's sums merged pairwise (PairwiseMerge: an
+// error growing with log2(batches), not with their count). Reduction: the block's all-reduce with one barrier (the
 // scratch alternates by row parity), then the row's coefficients in double (row_coefficients), and thread 0
 // stores them: row_terms[row] = (mean, delta, mean_g, k). dx and dweight come from pass 2.
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec>
-__global__ void __launch_bounds__(kMaxRowThreads, (backward_long_min_blocks<acc_t<Ts>>(kMaxRowThreads)))
+__global__ void __launch_bounds__(kLongThreads, (backward_long_min_blocks<acc_t<Ts>, kVec, false>()))
     backward_long_sums_kernel(BackwardArgs<acc_t<Ts>> a) {
   using A = acc_t<Ts>;
   using S = BackwardSums<A, kRms>;
-  constexpr int kPacks = kLongSumsPacks<kVec>;
-  __shared__ S scratch[2][kMaxRowThreads / 32];
+  constexpr int kPacks = kLongPacks<Ts, kVec>;
+  __shared__ S scratch[2][kLongThreads / 32];
   const A w_base = a.weight != nullptr ? a.weight_offset : A(1);
   const int threads = static_cast<int>(blockDim.x);
   int parity = 0;
@@ -296,7 +299,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, (backward_long_min_blocks<acc_
     constexpr bool kFromOutput = decltype(from_output)::value;
     A mean, rstd;
     row_stats(a, row, kRms, &mean, &rstd);
-    PairwiseMerge<S, 4> sums;
+    PairwiseMerge<S, 2> sums;
     for (int64_t first = threadIdx.x; first < a.units; first += static_cast<int64_t>(kPacks) * threads) {
       bool valid[kPacks], has_weight[kPacks], has_bias[kPacks];
 #pragma unroll
@@ -346,16 +349,16 @@ __global__ void __launch_bounds__(kMaxRowThreads, (backward_long_min_blocks<acc_
 
 // Long rows, pass 2 (backward_long_kernel): block b owns column slice b % slices (blockDim.x packs: thread t
 // takes pack slice * blockDim.x + t) of the rows of group b / slices (group_rows consecutive rows), and walks
-// them kLongRowsInFlight at a time: every load of those rows (dy, saved, grad_residual_out: kResidual, a
+// them kLongPacks at a time: every load of those rows (dy, saved, grad_residual_out: kResidual, a
 // compile-time flag; row_terms and rstd) issued before any use. Registers: the thread's weight (and, in
 // memory-efficient LayerNorm, bias) pack, loaded once; its columns' dweight / dbias partials in the compute
 // type across all the rows of its group. Writes dx of each row, then ONE partial per (row group, column) in
 // each buffer: reduce_partials_kernel sums the groups in a fixed order. No reduction across threads, no barrier.
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec, bool kResidual>
-__global__ void __launch_bounds__(kLongColumnThreads, (backward_long_min_blocks<acc_t<Ts>>(kLongColumnThreads)))
+__global__ void __launch_bounds__(kLongThreads, (backward_long_min_blocks<acc_t<Ts>, kVec, kResidual>()))
     backward_long_kernel(BackwardArgs<acc_t<Ts>> a) {
   using A = acc_t<Ts>;
-  constexpr int kRows = kLongRowsInFlight<kVec>;
+  constexpr int kRows = kLongPacks<Ts, kVec>;
   const int64_t slices = (a.units + blockDim.x - 1) / blockDim.x;
   const int64_t group = blockIdx.x / slices;
   const int64_t col_unit = (blockIdx.x % slices) * blockDim.x + threadIdx.x;

@@ -324,9 +324,9 @@ LaunchPlan plan_backward_vec(int64_t rows, int64_t cols, const DeviceLimits& dev
   }
   // Long rows: pass 1, a persistent block per row for the row sums; pass 2, blocks of (column slice, row group).
   const int64_t units = cols / kVec;
-  const int64_t slices = (units + kLongColumnThreads - 1) / kLongColumnThreads;
-  plan.threads = kLongColumnThreads;
-  plan.lanes = static_cast<int>(std::min<int64_t>(slices * kLongColumnThreads, 1 << 30));  // threads per row, pass 2
+  const int64_t slices = (units + kLongThreads - 1) / kLongThreads;
+  plan.threads = kLongThreads;
+  plan.lanes = static_cast<int>(std::min<int64_t>(slices * kLongThreads, 1 << 30));  // threads per row, pass 2
   plan.kernel = kernel_name<Tg, Ts, Tw>("backward_long_kernel", kRms, kVec, 0, false, false);
   const int64_t resident = device.resident_blocks(
       reinterpret_cast<const void*>(backward_long_kernel<Tg, Ts, Tw, kRms, kVec, false>), plan.threads, 0);
@@ -339,7 +339,7 @@ LaunchPlan plan_backward_vec(int64_t rows, int64_t cols, const DeviceLimits& dev
   plan.grid = slices * plan.row_groups;
   plan.sums_kernel = kernel_name<Tg, Ts, Tw>("backward_long_sums_kernel", kRms, kVec, 0, false);
   const int64_t sums_resident = device.resident_blocks(
-      reinterpret_cast<const void*>(backward_long_sums_kernel<Tg, Ts, Tw, kRms, kVec>), kMaxRowThreads, 0);
+      reinterpret_cast<const void*>(backward_long_sums_kernel<Tg, Ts, Tw, kRms, kVec>), kLongThreads, 0);
   plan.sums_grid = std::max<int64_t>(1, sums_resident > 0 ? std::min(rows, sums_resident) : rows);
   return plan;
 }
@@ -406,7 +406,7 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
     });
   } else {
     auto sums = backward_long_sums_kernel<Tg, Ts, Tw, kRms, kVec>;
-    LNX_LAUNCH(sums, static_cast<unsigned>(plan.sums_grid), kMaxRowThreads, 0, stream)(a);
+    LNX_LAUNCH(sums, static_cast<unsigned>(plan.sums_grid), kLongThreads, 0, stream)(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     auto launch_long = [&](auto residual) {
       auto kernel = backward_long_kernel<Tg, Ts, Tw, kRms, kVec, decltype(residual)::value>;
