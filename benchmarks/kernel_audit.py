@@ -175,9 +175,7 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         "merge": max(lanes // 32 - 1, 0),
         "other": 1,
     }
-    # Code outside the loops runs once per row, or (the long backward's column pass: once_per_row < 1) once per
-    # group of rows.
-    multiplicity = {b: plan.get("once_per_row", 1.0) for b in region}
+    multiplicity = {b: 1.0 for b in region}
     top = [loop for loop in inner if not any(other.contains(loop) for other in inner)]
     top.sort(key=lambda loop: loop.header)
     groups: list[list[sass.Loop]] = []
@@ -202,7 +200,7 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
             body = [i for b in main.blocks for i in blocks[b].instructions]
             row_loads = sum(1 for i in body if i.op in sass.GLOBAL_LOADS and stream.get(i.address) == first_stream)
             row_stores = sum(1 for i in body if i.op in sass.GLOBAL_STORES and stream.get(i.address) == out_stream)
-            unroll = row_loads or row_stores or 1
+            unroll = plan.get("rows_per_iteration") or row_loads or row_stores or 1
         times = trips[k] / unroll
         for loop in group:
             for b in loop.blocks:
@@ -214,6 +212,12 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
             k = kind(loop)
             for b in loop.blocks:
                 multiplicity[b] *= trips[k]
+    # Code outside the loops runs once per row, or (the long backward's column pass: once_per_row < 1) once per
+    # group of rows.
+    in_loops = {b for loop in inner for b in loop.blocks}
+    for b in region:
+        if b not in in_loops:
+            multiplicity[b] *= plan.get("once_per_row", 1.0)
 
     # Path: dynamic programming over the region in address order (back edges dropped).
     first_barrier = min((i.address for b in region for i in blocks[b].instructions if i.op == "BAR"), default=None)
@@ -432,7 +436,11 @@ def long_backward_row(arch: Arch, sums_function: sass.Function, function: sass.F
     added, registers the larger, spills both, in-flight the smaller of the two."""
     n, vec = plan["cols"], plan["vec"]
     sums_plan = dict(plan, kernel=plan["sums_kernel"], lanes=256, threads=256)  # kLongThreads per row
-    column_plan = dict(plan, lanes=plan["threads"], cols=vec * plan["threads"], once_per_row=1 / plan["group_rows"])
+    # Rows per iteration of the column pass (kLongPacks, backward_kernels.cuh): its loads of dy and saved come from
+    # one address computation, which the stream attribution may give to either.
+    rows_per_iteration = min(4, max(1, 32 // (ELEMENT_BYTES[dtype] * vec)))
+    column_plan = dict(plan, lanes=plan["threads"], cols=vec * plan["threads"], once_per_row=1 / plan["group_rows"],
+                       rows_per_iteration=rows_per_iteration)
     key = (plan["kernel"], n, plan["group_rows"])
     if key not in analyzed:
         analyzed[key] = (analyze_row_path(sums_function, arch, sums_plan, op, "backward"),
