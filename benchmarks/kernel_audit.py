@@ -60,7 +60,7 @@ TARGET_ARCH = "sm_90"
 # address derives from. Keep in step with the structs (the audit fails when the input stream is not found).
 FORWARD_POINTERS = ("input", "residual", "weight", "bias", "out", "residual_out", "mean", "rstd")
 BACKWARD_POINTERS = ("grad_out", "grad_residual_out", "saved", "mean", "rstd", "weight", "bias", "grad_input",
-                     "partial_dweight", "partial_dbias", "row_terms")
+                     "partial_dweight", "partial_dbias")
 # Streams with one access per element (DRAM traffic); weight / bias are per column (L2), mean / rstd per row.
 ELEMENT_STREAMS = {"input", "residual", "out", "residual_out", "grad_out", "grad_residual_out", "saved",
                    "grad_input", "partial_dweight", "partial_dbias"}
@@ -73,7 +73,7 @@ def call_streams(op: str, direction: str) -> tuple[set[str], set[str]]:
     if direction == "forward":
         used = {"input", "weight", "out", "rstd"} | (set() if rms else {"bias", "mean"})
         return used, set(FORWARD_POINTERS) - used
-    used = {"grad_out", "saved", "rstd", "weight", "grad_input", "partial_dweight", "row_terms"}
+    used = {"grad_out", "saved", "rstd", "weight", "grad_input", "partial_dweight"}
     used |= set() if rms else {"mean", "partial_dbias"}
     return used, set(BACKWARD_POINTERS) - used
 

@@ -25,7 +25,6 @@ struct BackwardArgs {
   void* grad_input;
   A* partial_dweight;  // [gridDim.x (rows path) or row groups (long path), cols]; nullptr when not wanted
   A* partial_dbias;
-  A* row_terms;  // long path: [rows, 4] (mean, delta, mean_g, k) from backward_long_sums_kernel
   int64_t rows;
   int64_t cols;
   int64_t units;
@@ -33,9 +32,10 @@ struct BackwardArgs {
   A weight_offset;  // the forward's scale is weight + weight_offset
   bool saved_is_output;
   int lanes;
-  int rows_per_block;
-  int64_t group_rows;  // long path: rows per row group (the last group may hold fewer)
+  int rows_per_block;  // long path: rows per row group of backward_long_kernel (the last one may hold fewer)
 };
+// The long path's rows' terms, [rows, 4] (mean, delta, mean_g, k), are a kernel argument of their own: one more
+// field in BackwardArgs made ptxas spill 8 bytes in backward_rows_kernel<float, ..., 4, 4> (sm_90).
 
 // The row sums of the backward: sum(g), sum(g * d) and, for LayerNorm, sum(d).
 template <typename A, bool kRms>
@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
 // stores them: row_terms[row] = (mean, delta, mean_g, k). dx and dweight come from pass 2.
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec>
 __global__ void __launch_bounds__(kLongThreads, (backward_long_min_blocks<acc_t<Ts>, kVec, false>()))
-    backward_long_sums_kernel(BackwardArgs<acc_t<Ts>> a) {
+    backward_long_sums_kernel(BackwardArgs<acc_t<Ts>> a, acc_t<Ts>* row_terms) {
   using A = acc_t<Ts>;
   using S = BackwardSums<A, kRms>;
   constexpr int kPacks = kLongPacks<Ts, kVec>;
@@ -338,7 +338,7 @@ __global__ void __launch_bounds__(kLongThreads, (backward_long_min_blocks<acc_t<
     const RowCoefficients<A> c = row_coefficients<kRms>(a, rstd, s);
     if (threadIdx.x == 0) {
       const A terms[4] = {mean, c.delta, c.mean_g, c.k};
-      store_pack<A, A, 4>(a.row_terms, row, terms);
+      store_pack<A, A, 4>(row_terms, row, terms);
     }
   };
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(kLongThreads, (backward_long_min_blocks<acc_t<
 }
 
 // Long rows, pass 2 (backward_long_kernel): block b owns column slice b % slices (blockDim.x packs: thread t
-// takes pack slice * blockDim.x + t) of the rows of group b / slices (group_rows consecutive rows), and walks
+// takes pack slice * blockDim.x + t) of the rows of group b / slices (rows_per_block consecutive rows), and walks
 // them kLongPacks at a time: every load of those rows (dy, saved, grad_residual_out: kResidual, a
 // compile-time flag; row_terms and rstd) issued before any use. Registers: the thread's weight (and, in
 // memory-efficient LayerNorm, bias) pack, loaded once; its columns' dweight / dbias partials in the compute
@@ -356,15 +356,15 @@ __global__ void __launch_bounds__(kLongThreads, (backward_long_min_blocks<acc_t<
 // each buffer: reduce_partials_kernel sums the groups in a fixed order. No reduction across threads, no barrier.
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec, bool kResidual>
 __global__ void __launch_bounds__(kLongThreads, (backward_long_min_blocks<acc_t<Ts>, kVec, kResidual>()))
-    backward_long_kernel(BackwardArgs<acc_t<Ts>> a) {
+    backward_long_kernel(BackwardArgs<acc_t<Ts>> a, const acc_t<Ts>* row_terms) {
   using A = acc_t<Ts>;
   constexpr int kRows = kLongPacks<Ts, kVec>;
   const int64_t slices = (a.units + blockDim.x - 1) / blockDim.x;
   const int64_t group = blockIdx.x / slices;
   const int64_t col_unit = (blockIdx.x % slices) * blockDim.x + threadIdx.x;
   if (col_unit >= a.units) return;  // the last slice's idle threads: nothing waits for them
-  const int64_t row_begin = group * a.group_rows;
-  const int64_t row_end = row_begin + a.group_rows < a.rows ? row_begin + a.group_rows : a.rows;
+  const int64_t row_begin = group * a.rows_per_block;
+  const int64_t row_end = row_begin + a.rows_per_block < a.rows ? row_begin + a.rows_per_block : a.rows;
   const int units = static_cast<int>(a.units);  // the row stride, in packs
   const A w_base = a.weight != nullptr ? a.weight_offset : A(1);
   auto run = [&](auto from_output) {
@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(kLongThreads, (backward_long_min_blocks<acc_t<
       if constexpr (kResidual) load_packs<Ts, kVec, kRows>(a.grad_residual_out, first_unit, units, valid, extra_raw);
       RawPack<A, 4> terms[kRows];
       A rstd[kRows];
-      load_packs<A, 4, kRows>(a.row_terms, first, 1, valid, terms);
+      load_packs<A, 4, kRows>(row_terms, first, 1, valid, terms);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) rstd[r] = valid[r] ? load_global(a.rstd + first + r) : A(0);
 #pragma unroll

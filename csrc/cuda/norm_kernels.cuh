@@ -366,8 +366,7 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
   const LaunchPlan plan = plan_backward_vec<Tg, Ts, Tw, kRms, kVec>(p.rows, p.cols, current_device_limits());
   const bool long_path = plan.packs == 0;
   a.lanes = plan.lanes;
-  a.rows_per_block = plan.rows_per_block;
-  a.group_rows = plan.group_rows;
+  a.rows_per_block = long_path ? static_cast<int>(plan.group_rows) : plan.rows_per_block;
   const int64_t grid = plan.grid;
   const int threads = plan.threads;
   const size_t smem = plan.dynamic_shared;
@@ -385,11 +384,11 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
   c10::DataPtr scratch;
   a.partial_dweight = nullptr;
   a.partial_dbias = nullptr;
-  a.row_terms = nullptr;
+  A* row_terms = nullptr;
   if (buffers > 0 || long_path) {
     scratch = workspace((terms_elements + buffers * partial_elements) * sizeof(A));
     A* base = static_cast<A*>(scratch.get());
-    a.row_terms = long_path ? base : nullptr;
+    row_terms = long_path ? base : nullptr;
     A* partials = base + terms_elements;
     a.partial_dweight = want_dweight ? partials : nullptr;
     a.partial_dbias = want_dbias ? partials + (want_dweight ? partial_elements : 0) : nullptr;
@@ -406,11 +405,11 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
     });
   } else {
     auto sums = backward_long_sums_kernel<Tg, Ts, Tw, kRms, kVec>;
-    LNX_LAUNCH(sums, static_cast<unsigned>(plan.sums_grid), kLongThreads, 0, stream)(a);
+    LNX_LAUNCH(sums, static_cast<unsigned>(plan.sums_grid), kLongThreads, 0, stream)(a, row_terms);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     auto launch_long = [&](auto residual) {
       auto kernel = backward_long_kernel<Tg, Ts, Tw, kRms, kVec, decltype(residual)::value>;
-      LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, 0, stream)(a);
+      LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, 0, stream)(a, static_cast<const A*>(row_terms));
     };
     if (p.grad_residual_out != nullptr) launch_long(std::true_type{});
     else launch_long(std::false_type{});
