@@ -208,7 +208,7 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
             body = [i for b in main.blocks for i in blocks[b].instructions]
             row_loads = sum(1 for i in body if i.op in sass.GLOBAL_LOADS and stream.get(i.address) == first_stream)
             row_stores = sum(1 for i in body if i.op in sass.GLOBAL_STORES and stream.get(i.address) == out_stream)
-            unroll = row_loads or row_stores or 1
+            unroll = plan.get("rows_per_iteration") or row_loads or row_stores or 1
         times = trips[k] / unroll
         for loop in group:
             for b in loop.blocks:
@@ -220,6 +220,12 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
             k = kind(loop)
             for b in loop.blocks:
                 multiplicity[b] *= trips[k]
+    # Code outside the loops runs once per row, or (the long backward's column pass: once_per_row < 1) once per
+    # group of rows.
+    in_loops = {b for loop in inner for b in loop.blocks}
+    for b in region:
+        if b not in in_loops:
+            multiplicity[b] *= plan.get("once_per_row", 1.0)
 
     # Path: dynamic programming over the region in address order (back edges dropped).
     barrier_ops = ("BAR",) + CLUSTER_BARRIERS
@@ -391,8 +397,9 @@ def audit(library: str, archs: Iterable[str], plan_function) -> list[Row]:
                                  max_shared_per_block=arch.shared_per_block,
                                  compute_capability=arch.compute_capability)
             plans[(op, dtype, direction, n)] = plan
-        wanted = {by_kernel[p["kernel"]] for p in plans.values() if p["kernel"] in by_kernel}
-        missing = {p["kernel"] for p in plans.values()} - set(by_kernel)
+        names = {p["kernel"] for p in plans.values()} | {p["sums_kernel"] for p in plans.values() if p.get("sums_kernel")}
+        wanted = {by_kernel[name] for name in names if name in by_kernel}
+        missing = names - set(by_kernel)
         if missing:
             raise RuntimeError(f"{arch_name}: planned kernels not in the library: {sorted(missing)[:3]}")
         functions = sass.parse_sass(sass.disassemble(library, arch_name, sorted(wanted)), wanted)
@@ -408,6 +415,13 @@ def audit(library: str, archs: Iterable[str], plan_function) -> list[Row]:
                                      sm_count=arch.sms, max_shared_per_block=arch.shared_per_block,
                                      blocks_per_sm=resident, compute_capability=arch.compute_capability)
             plan = dict(plan, cols=n)
+            buffers = 1 if op == "rms_norm" else 2
+            if plan.get("sums_kernel"):
+                row = long_backward_row(arch, functions[by_kernel[plan["sums_kernel"]]], function, plan, op, dtype, m,
+                                        resident, analyzed)
+                row.dram_per_element += plan["row_groups"] * n * 4 * buffers / (m * n)  # the reduce kernel's read
+                rows.append(row)
+                continue
             key = (plan["kernel"], plan["lanes"], plan["threads"], plan["staged"], plan.get("cluster", 1),
                    -(-n // plan["vec"]))
             if key not in analyzed:
@@ -415,12 +429,9 @@ def audit(library: str, archs: Iterable[str], plan_function) -> list[Row]:
             figures = analyzed[key]
             elements_per_thread = n / plan["lanes"]
             dram = figures.element_bytes / elements_per_thread
-            if direction == "backward":  # partial buffers: the long path's memset, the reduce kernel's read
-                buffers = 1 if op == "rms_norm" else 2
+            if direction == "backward":  # partial buffers: the rows kernel's write of its block partials, the reduce
                 partial = plan["grid"] * n * 4 * buffers
-                dram += (2 if not plan["packs"] else 1) * partial / (m * n)
-                if plan["packs"]:
-                    dram += partial / (m * n)  # the rows kernel's own write of its block partials
+                dram += 2 * partial / (m * n)
             stl = sum(i.access_bytes() for i in function.instructions if i.op == "STL")
             rows.append(Row(
                 arch=arch_name, op=op, dtype=dtype, direction=direction, n=n, rows=m, plan=plan,
@@ -432,6 +443,41 @@ def audit(library: str, archs: Iterable[str], plan_function) -> list[Row]:
                 dram_per_element=dram,
             ))
     return rows
+
+
+def long_backward_row(arch: Arch, sums_function: sass.Function, function: sass.Function, plan: dict, op: str,
+                      dtype: str, m: int, resident: int, analyzed: dict) -> Row:
+    """The long backward's two passes as one row: the sums pass (a block of 256 threads per row, a column loop
+    like the other long paths) and the column pass (a thread owns one pack of a row, its row loop counted once
+    per row, its set-up and partials' store once per group of rows); instructions, FP64, barriers and bytes
+    added, registers the larger, spills both, in-flight the smaller of the two."""
+    n, vec = plan["cols"], plan["vec"]
+    sums_plan = dict(plan, kernel=plan["sums_kernel"], lanes=256, threads=256)  # kLongThreads per row
+    # Rows per iteration of the column pass (kLongPacks, backward_kernels.cuh): its loads of dy and saved come from
+    # one address computation, which the stream attribution may give to either.
+    rows_per_iteration = min(4, max(1, 32 // (ELEMENT_BYTES[dtype] * vec)))
+    column_plan = dict(plan, lanes=plan["threads"], cols=vec * plan["threads"], once_per_row=1 / plan["group_rows"],
+                       rows_per_iteration=rows_per_iteration)
+    key = (plan["kernel"], n, plan["group_rows"])
+    if key not in analyzed:
+        analyzed[key] = (analyze_row_path(sums_function, arch, sums_plan, op, "backward"),
+                         analyze_row_path(function, arch, column_plan, op, "backward"))
+    sums, columns = analyzed[key]
+    sums_per_thread = n / sums_plan["lanes"]  # elements per thread per row in each pass
+    sums_resident = blocks_per_sm(arch, sums_function.registers, sums_function.shared, sums_plan["threads"])
+    inflight = min(sums.row_loads_before_use * sums_resident * sums_plan["threads"],
+                   columns.row_loads_before_use * resident * plan["threads"]) / 1024
+    stl = sum(i.access_bytes() for f in (sums_function, function) for i in f.instructions if i.op == "STL")
+    return Row(
+        arch=arch.name, op=op, dtype=dtype, direction="backward", n=n, rows=m, plan=plan,
+        registers=max(sums_function.registers, function.registers), spill_bytes=stl, blocks=resident,
+        threads_per_sm=resident * plan["threads"],
+        loads_before_use=max(sums.loads_before_use, columns.loads_before_use),
+        row_loads_before_use=min(sums.row_loads_before_use, columns.row_loads_before_use), inflight_kb=inflight,
+        barriers=sums.barriers + columns.barriers, fp64=sums.fp64 + columns.fp64,
+        per_element=sums.instructions / sums_per_thread + columns.instructions / vec,
+        dram_per_element=sums.element_bytes / sums_per_thread + columns.element_bytes / vec,
+    )
 
 
 # ---- targets ---------------------------------------------------------------------------------------------------

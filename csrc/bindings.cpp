@@ -301,6 +301,9 @@ pybind11::dict cuda_launch_plan(const std::string& op, const std::string& direct
   out["cluster"] = plan.cluster;
   out["persistent"] = plan.persistent;
   out["row_groups"] = plan.row_groups;
+  out["group_rows"] = plan.group_rows;
+  out["sums_kernel"] = plan.sums_kernel;
+  out["sums_grid"] = plan.sums_grid;
   return out;
 }
 #endif

@@ -223,15 +223,25 @@ def test_emulated_backward_is_deterministic(emulated: ModuleType) -> None:
         assert torch.equal(a, c)
 
 
-# (M, N, grid): long rows get one block per row; 300 rows of 256 (8 rows per block) fill all 3 x 2 resident blocks.
-@pytest.mark.parametrize(("m", "n", "grid"), [(1, 40000, 1), (2, 40000, 2), (300, 256, 6)],
+def _long_row_groups(plan: dict) -> int:
+    """Row groups of the long backward's plan: its grid is (column slices) x (row groups), and its lanes (the
+    threads of one row) are the slices' threads."""
+    return plan["grid"] * plan["threads"] // plan["lanes"]
+
+
+# (M, N, parts): the long path's partial rows are its row groups (one for 1 or 2 rows: 40 column slices of 40000
+# floats fill the emulated GPU); 300 rows of 256 (8 rows per block) fill all 3 x 2 resident blocks.
+@pytest.mark.parametrize(("m", "n", "parts"), [(1, 40000, 1), (2, 40000, 1), (300, 256, 6)],
                          ids=["long-m1", "long-m2", "rows-m300"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
-def test_emulated_backward_workspace(emulated: ModuleType, rms: bool, m: int, n: int, grid: int) -> None:
-    """The backward's partial buffers: one [grid, N] float buffer for dweight and one for dbias (LayerNorm with
-    a bias only), grid = min(row groups, resident blocks): a single row of N columns needs N floats, not the
-    whole GPU's worth."""
+def test_emulated_backward_workspace(emulated: ModuleType, rms: bool, m: int, n: int, parts: int) -> None:
+    """The backward's workspace: one [parts, N] float buffer for dweight and one for dbias (LayerNorm with a
+    bias only), parts = min(row groups, resident blocks) on the rows path, the row groups on the long path, which
+    adds its rows' terms ([M, 4] floats): a single row of N columns needs N floats, not the whole GPU's worth."""
     x, g, w, b = torch.randn(m, n), torch.randn(m, n), torch.randn(n), torch.randn(n)
+    plan = emulated.launch_plan(rms, True, F32, F32, F32, m, n)
+    long_path = plan["packs"] == 0
+    assert (_long_row_groups(plan) if long_path else plan["grid"]) == parts
     emulated.reset_workspace_bytes()
     if rms:
         _, _, rstd = emulated.rms_norm_fwd(x, [n], w, None, None, False)
@@ -240,7 +250,32 @@ def test_emulated_backward_workspace(emulated: ModuleType, rms: bool, m: int, n:
         _, _, mean, rstd = emulated.layer_norm_fwd(x, [n], w, b, 1e-5, None, False)
         emulated.layer_norm_bwd(g, x, mean, rstd, [n], w, b, False, None)
     buffers = 1 if rms else 2
-    assert emulated.last_workspace_bytes() == buffers * grid * n * 4
+    assert emulated.last_workspace_bytes() == buffers * parts * n * 4 + (m * 4 * 4 if long_path else 0)
+
+
+# Long rows in several row groups (at most 64 rows each: 130 rows make 3 groups of 44, 44 and 42), odd N (single
+# elements: 65 column slices, the last one of a single column) and N = 40000 floats (40 slices of 256 packs, the
+# last one partly idle): dx and dweight / dbias against ATen under the suite's rule, the residual and memory-efficient
+# variants included.
+LONG_GROUP_SPECS = [
+    _spec("layer_norm", (130,), (16385,), dtype=BF16, wdtype=BF16),
+    _spec("rms_norm", (130,), (16385,), dtype=F32, wdtype=F32),
+    _spec("layer_norm", (130,), (40000,), dtype=F32, wdtype=F32),
+    _spec("add_rms_norm", (130,), (40000,), dtype=BF16, wdtype=BF16, rdtype=BF16),
+    _spec("add_layer_norm", (130,), (16385,), dtype=F16, wdtype=F32, rdtype=F32),
+    _spec("layer_norm", (130,), (40000,), dtype=BF16, mem_eff=True, weights="signed"),
+    _spec("rms_norm", (130,), (16385,), dtype=F32, mem_eff=True, weights="signed"),
+]
+
+
+@pytest.mark.parametrize("spec", LONG_GROUP_SPECS, ids=_id)
+def test_emulated_long_backward_row_groups(spec: Spec, emulated: ModuleType) -> None:
+    m, n = spec.lead[0], spec.norm[0]
+    plan = emulated.launch_plan(spec.rms, True, spec.dtype, spec.dtype, spec.dtype, m, n)
+    assert plan["packs"] == 0 and plan["kernel"].startswith("backward_long_kernel")
+    groups = _long_row_groups(plan)
+    assert groups == 3 and m % -(-m // groups) != 0  # several groups, the last one shorter
+    run_case(spec, "cpu", ours=emulated_impl(emulated))
 
 
 # ---- numerics options (weight_offset, cast_before_weight) -------------------------------------------------------
@@ -372,13 +407,7 @@ def test_emulated_quantized_output(emulated: ModuleType, rms: bool, dtype: torch
 
 ELEMENT = {F32: 4, BF16: 2}
 TRAFFIC_NS = (7, 64, 1024, 4096, 5120, 20000, 40000)  # sub-warp ... block per row, long rows (bf16 and f32)
-# Where today's design moves more than the minimum: strict, so that the fix turns them into failures to update.
-BACKWARD_LONG = (20000, 40000)  # beyond the backward's registers (N > 8192): the long path
-
-
-def _traffic_ns(known_misses: tuple[int, ...], reason: str) -> list[Any]:
-    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=reason)) if n in known_misses else n
-            for n in TRAFFIC_NS]
+BACKWARD_LONG = (20000, 40000)  # beyond the backward's registers (N > 8192): the long path, two passes
 
 
 def _traffic(emulated: ModuleType, run) -> list[tuple[int, int, int, int]]:
@@ -432,8 +461,7 @@ def _backward(emulated: ModuleType, rms: bool, m: int, n: int, dtype: torch.dtyp
     return _traffic(emulated, lambda: emulated.layer_norm_bwd(g, x, mean, rstd, [n], w, b, False, extra))
 
 
-@pytest.mark.parametrize("n", _traffic_ns(BACKWARD_LONG, "long rows: read twice, dweight / dbias added into a "
-                                          "global partial row for every row (issue 23, item 5: column slices)"))
+@pytest.mark.parametrize("n", TRAFFIC_NS)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
@@ -442,25 +470,37 @@ def test_emulated_backward_traffic(emulated: ModuleType, dtype: torch.dtype, rms
     Register path, exactly: dy, saved (and grad_residual_out) loaded once, the weight once per row group
     (rows_per_block groups in each of the grid's blocks), mean / rstd once per row; dx stored once and one
     [grid, N] float row of each partial buffer per block. Then one reduce launch per buffer (dweight; dbias for
-    LayerNorm): it loads the [grid, N] partials once and stores N values. Long rows: the kernel (and any memset
-    it needs) moves at most x + dy + dx (+ grad_residual_out) + (4 x buffers + elem(w)) x grid / M bytes per
-    element, + the row statistics (4 or 8 bytes per row)."""
+    LayerNorm): it loads the [parts, N] partials once and stores N values.
+    Long rows, exactly: the sums pass loads dy and saved once (and the weight per row, mean / rstd per thread)
+    and stores each row's 4 terms; the column pass loads dy, saved (and grad_residual_out) once, the weight once
+    per row group and each row's terms and rstd once per column it writes, stores dx once and one [groups, N] row
+    of partials per group. The row streams and partials (what reaches DRAM; the weight and the per-row values are
+    shared by a row's threads) come to at most 2 x (x + dy) + dx (+ grad_residual_out) + 2 x 4 x buffers x
+    groups / M bytes per element: no partial read-modify-written per row, no memset."""
     m, s = _rows(n), ELEMENT[dtype]
     buffers, stats = (1, 4) if rms else (2, 8)
     plan = emulated.launch_plan(rms, True, dtype, dtype, dtype, m, n)
-    assert (plan["packs"] == 0) == (n in BACKWARD_LONG)  # the marks follow the plan
+    assert (plan["packs"] == 0) == (n in BACKWARD_LONG)
     launches = _backward(emulated, rms, m, n, dtype, residual)
     main, reduce = launches[:-buffers], launches[-buffers:]
-    grid = plan["grid"]
+    parts = _long_row_groups(plan) if plan["packs"] == 0 else plan["grid"]
     for _, _, loaded, stored in reduce:
-        assert (loaded, stored) == (grid * n * 4, n * s)
+        assert (loaded, stored) == (parts * n * 4, n * s)
     streams_in = m * n * s * (3 if residual else 2)  # dy, saved, (grad_residual_out)
     if plan["packs"] > 0:
         assert len(main) == 1
         _, _, loaded, stored = main[0]
-        assert loaded == streams_in + grid * plan["rows_per_block"] * n * s + m * stats * plan["lanes"]
-        assert stored == m * n * s + buffers * grid * n * 4
-    else:
-        moved = sum(t[2] + t[3] for t in main)
-        bound = streams_in + m * n * s + (4 * buffers + s) * grid * n + m * stats * plan["lanes"]
-        assert moved <= bound, f"{moved / (m * n):.2f} bytes per element, bound {bound / (m * n):.2f}"
+        assert loaded == streams_in + parts * plan["rows_per_block"] * n * s + m * stats * plan["lanes"]
+        assert stored == m * n * s + buffers * parts * n * 4
+        return
+    assert len(main) == 2  # the sums pass, then the column pass
+    (sums_grid, sums_threads, sums_loaded, sums_stored), (_, _, loaded, stored) = main
+    assert sums_threads == 256 and sums_grid == min(m, 6)
+    units = n // (16 // s)  # 16-byte packs: 20000 and 40000 are multiples of 8
+    assert sums_loaded == 2 * m * n * s + m * n * s + m * stats * 256  # dy, saved; weight; mean / rstd
+    assert sums_stored == m * 4 * 4
+    assert loaded == streams_in + parts * n * s + m * units * (4 * 4 + 4)  # weight per group; terms, rstd
+    assert stored == m * n * s + buffers * parts * n * 4
+    dram = 2 * m * n * s + streams_in + m * n * s + 2 * buffers * parts * n * 4
+    bound = m * n * s * (6 if residual else 5) + 8 * buffers * parts * n
+    assert dram <= bound, f"{dram / (m * n):.2f} bytes per element, bound {bound / (m * n):.2f}"

@@ -171,8 +171,11 @@ def test_plan_backward_is_persistent():
     assert uncapped["dynamic_shared"] == 128 * 2 * 8 * 4  # the block's partials combine buffer
     capped = _plan(direction="backward", op="rms_norm", cols=256, rows=100000, blocks_per_sm=4)
     assert capped["grid"] == 4 * 132
+    # Long rows: 32 column slices of 256 packs x 8 row groups (of 8 rows) fill the 2 x 132 resident blocks.
     long_rows = _plan(direction="backward", cols=65536, rows=64, blocks_per_sm=2)
-    assert long_rows["kernel"].startswith("backward_long_kernel") and long_rows["grid"] == 64
+    assert long_rows["kernel"] == "backward_long_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, false, 8, false>"
+    assert (long_rows["grid"], long_rows["row_groups"], long_rows["group_rows"]) == (32 * 8, 8, 8)
+    assert long_rows["sums_kernel"].startswith("backward_long_sums_kernel") and long_rows["sums_grid"] == 64
 
 
 def test_plan_mixed_dtypes_and_errors():

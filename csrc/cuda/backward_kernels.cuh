@@ -1,6 +1,9 @@
-// The backward kernels: backward_rows_kernel (rows in registers) and backward_long_kernel (a block per row),
-// both persistent, writing per-block dweight / dbias partials that reduce_partials_kernel sums in a fixed
-// order; their arguments (BackwardArgs) and per-pack steps. Launched from norm_kernels.cuh.
+// The backward kernels: backward_rows_kernel (rows in registers, persistent) and, for rows beyond the registers,
+// backward_long_sums_kernel (a block per row: each row's two or three sums, turned into its coefficients) then
+// backward_long_kernel (a block per column slice and group of rows: dx, and dweight / dbias in registers). Both
+// paths write dweight / dbias partials, one row per block (rows) or per row group (long), that
+// reduce_partials_kernel sums in a fixed order; their arguments (BackwardArgs) and per-pack steps. Launched
+// from norm_kernels.cuh.
 #pragma once
 
 #include <cstdint>
@@ -20,7 +23,7 @@ struct BackwardArgs {
   const void* weight;
   const void* bias;
   void* grad_input;
-  A* partial_dweight;  // [gridDim.x, cols]; nullptr when not wanted
+  A* partial_dweight;  // [gridDim.x (rows path) or row groups (long path), cols]; nullptr when not wanted
   A* partial_dbias;
   int64_t rows;
   int64_t cols;
@@ -29,59 +32,14 @@ struct BackwardArgs {
   A weight_offset;  // the forward's scale is weight + weight_offset
   bool saved_is_output;
   int lanes;
-  int rows_per_block;
+  int rows_per_block;  // long path: rows per row group of backward_long_kernel (the last one may hold fewer)
 };
-
-// For one pack: dy, d and g = dy * weight. d is saved minus the row's stored mean (LayerNorm; exact near the
-// mean), saved itself (RMSNorm), or, in memory-efficient mode, xhat recovered from the forward's output as
-// (out - bias) / weight.
-template <typename Tg, typename Ts, typename Tw, bool kRms, typename A, int kVec>
-__device__ __forceinline__ void backward_load(const BackwardArgs<A>& a, int64_t row, int64_t col_unit, A mean,
-                                              A (&dy)[kVec], A (&d)[kVec], A (&g)[kVec]) {
-  const int64_t unit = row * a.units + col_unit;
-  load_pack<A, Tg, kVec>(a.grad_out, unit, dy);
-  load_pack<A, Ts, kVec>(a.saved, unit, d);
-  A w[kVec];
-  if (a.weight != nullptr) {
-    load_pack<A, Tw, kVec>(a.weight, col_unit, w);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) w[j] += a.weight_offset;
-  } else {
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) w[j] = A(1);
-  }
-  if (a.saved_is_output) {
-    if (!kRms && a.bias != nullptr) {
-      A b[kVec];
-      load_pack<A, Tw, kVec>(a.bias, col_unit, b);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) d[j] -= b[j];
-    }
-    if (a.weight != nullptr) {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) d[j] /= w[j];
-    }
-  } else if (!kRms) {
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) d[j] -= mean;
-  }
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) g[j] = dy[j] * w[j];
-}
+// The long path's rows' terms, [rows, 4] (mean, delta, mean_g, k), are a kernel argument of their own: one more
+// field in BackwardArgs made ptxas spill 8 bytes in backward_rows_kernel<float, ..., 4, 4> (sm_90).
 
 // The row sums of the backward: sum(g), sum(g * d) and, for LayerNorm, sum(d).
 template <typename A, bool kRms>
 using BackwardSums = Sums<A, kRms ? 2 : 3>;
-
-template <bool kRms, typename S, typename A, int kVec>
-__device__ __forceinline__ void add_backward_terms(BackwardSums<S, kRms>& s, const A (&d)[kVec], const A (&g)[kVec]) {
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    s.v[0] += static_cast<S>(g[j]);
-    s.v[1] += static_cast<S>(g[j]) * static_cast<S>(d[j]);
-    if constexpr (!kRms) s.v[2] += static_cast<S>(d[j]);
-  }
-}
 
 // A row's constants: xhat = (d - delta) * xscale and dx = rstd * (g - mean_g - xhat * mean_gx), evaluated as
 // rstd * fma(-(d - delta), k, g - mean_g) with k = xscale * mean_gx: the product with d is exact inside the
@@ -114,27 +72,10 @@ __device__ __forceinline__ RowCoefficients<A> row_coefficients(const BackwardArg
   return c;
 }
 
-// For one pack: xhat from d (returned for the caller's dweight terms) and grad_input, plus the gradient
-// flowing into residual_out, stored.
-template <typename Ts, typename A, int kVec>
-__device__ __forceinline__ void backward_store(const BackwardArgs<A>& a, int64_t row, int64_t col_unit,
-                                               const RowCoefficients<A>& c, const A (&d)[kVec],
-                                               const A (&g)[kVec], A (&xhat)[kVec]) {
-  const int64_t unit = row * a.units + col_unit;
-  A dx[kVec];
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    const A centred = d[j] - c.delta;
-    xhat[j] = centred * c.xscale;
-    dx[j] = c.rstd * fused_multiply_add(-centred, c.k, g[j] - c.mean_g);
-  }
-  if (a.grad_residual_out != nullptr) {
-    A extra[kVec];
-    load_pack<A, Ts, kVec>(a.grad_residual_out, unit, extra);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) dx[j] += extra[j];
-  }
-  store_pack<Ts, A, kVec>(a.grad_input, unit, dx);
+// dx of one element from its centred d = d - delta and g, the gradient into x before grad_residual_out.
+template <typename A>
+__device__ __forceinline__ A grad_input_term(const RowCoefficients<A>& c, A centred, A g) {
+  return c.rstd * fused_multiply_add(-centred, c.k, g - c.mean_g);
 }
 
 template <typename A>
@@ -184,16 +125,23 @@ __device__ __forceinline__ void write_block_partials(const BackwardArgs<A>& a, A
 // 512-thread block per SM allows.
 constexpr int kBackwardRowsMinBlocks = 1;
 
-// The long path holds one pack per array: 512-thread blocks per SM by compute type and pack width. A bare
-// minimum of 2 for float rows made ptxas spend the 64 registers it then allowed (48 for float LayerNorm, which
-// had 32: 4 blocks), so each variant keeps its own figure.
-template <typename A, int kVec, bool kRms>
+// The long path's two kernels, both in blocks of kLongThreads. backward_long_sums_kernel: kLongPacks packs of
+// dy, saved and weight per thread in flight; backward_long_kernel: kLongPacks rows of dy, saved (and
+// grad_residual_out) per thread in flight and its columns' dweight / dbias in registers. kLongPacks: 32 bytes of
+// saved (2 packs of 16-bit rows, 1 of float rows read with 16-bit dy), at most 4 single elements. Float rows: 3
+// blocks per SM (80 registers), 2 with grad_residual_out (at 64 registers, 4 blocks, ptxas spilled 16-216 bytes
+// per thread in either kernel); double rows: 2 blocks (128 registers), 1 where a pack holds 8 of them (16-bit
+// dy with double rows: at 128 registers the column pass spilled 24-56 bytes).
+template <typename Ts, int kVec>
+constexpr int kLongPacks = 32 / static_cast<int>(sizeof(Ts)) / kVec < 1   ? 1
+                           : 32 / static_cast<int>(sizeof(Ts)) / kVec > 4 ? 4
+                                                                           : 32 / static_cast<int>(sizeof(Ts)) / kVec;
+constexpr int kLongThreads = 256;
+constexpr int64_t kLongGroupRows = 64;  // at most: a thread adds at most this many rows' terms in float
+template <typename A, int kVec, bool kResidual>
 constexpr int backward_long_min_blocks() {
-  if constexpr (sizeof(A) == 8) return 1;         // double rows: 40-94 registers
-  else if constexpr (kVec >= 8) return 2;         // 16-bit inputs: 50-64 registers, 32 KB of dy + saved in flight
-  else if constexpr (kVec == 4) return 3;  // float: 4 blocks (32 registers) spilled 8 B in LayerNorm with the
-                                           // one-barrier all-reduce; 3 allow 40
-  else return 4;                                  // single elements (unaligned rows): 30-32 registers
+  if constexpr (sizeof(A) == 8) return kVec >= 8 ? 1 : 2;
+  else return kResidual ? 2 : 3;
 }
 
 // The terms of element j of a lane's pack, converted from the raw packs (twice per row: for the sums, then for
@@ -311,7 +259,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
           element_terms<kFromOutput, kRms>(dy_raw[p], saved_raw[p], w_raw[p], b_raw[kFromOutput && !kRms ? p : 0],
                                            w_base, mean, j, dy, d, g);
           const A centred = d - c.delta;
-          dx[j] = c.rstd * fused_multiply_add(-centred, c.k, g - c.mean_g);
+          dx[j] = grad_input_term(c, centred, g);
           if constexpr (kResidual) dx[j] += raw_element<A>(extra_raw[p], j);
           if (want_dweight) dweight[p][j] += dy * (centred * c.xscale);
           if (want_dbias) dbias[p][j] += dy;
@@ -330,53 +278,152 @@ __global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
   if (want_dbias) write_block_partials(a, dbias, a.partial_dbias, combine_buf, group, lane);
 }
 
-// Long-row path, persistent: one block of kMaxRowThreads per row, striding over rows; thread t handles packs
-// t, t + blockDim, ... Pass 1 reads grad_out and saved for the row sums (in double, as the forward's long
-// path: a thread adds hundreds of packs), all-reduced with one barrier per row (the scratch alternates by row
-// parity); pass 2 reads them again (mostly from L2), writes grad_input and adds the dweight / dbias terms into
-// the block's own row of the partial buffers, which only thread t ever touches at its columns (no atomics;
-// zeroed before the launch).
+// Long rows, pass 1 (backward_long_sums_kernel), persistent: one block of kLongThreads per row, striding over
+// rows by gridDim.x. Thread t takes packs t, t + blockDim, ... of dy, saved and the weight, kLongPacks at a
+// time, all of a batch's loads issued before any use. Registers: the batch's raw packs and the thread's sums
+// sum(g), sum(g * d) (and sum(d)) in the compute type, each batch's sums merged pairwise (PairwiseMerge: an
+// error growing with log2(batches), not with their count). Reduction: the block's all-reduce with one barrier (the
+// scratch alternates by row parity), then the row's coefficients in double (row_coefficients), and thread 0
+// stores them: row_terms[row] = (mean, delta, mean_g, k). dx and dweight come from pass 2.
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec>
-__global__ void __launch_bounds__(kMaxRowThreads, (backward_long_min_blocks<acc_t<Ts>, kVec, kRms>()))
-    backward_long_kernel(BackwardArgs<acc_t<Ts>> a) {
+__global__ void __launch_bounds__(kLongThreads, (backward_long_min_blocks<acc_t<Ts>, kVec, false>()))
+    backward_long_sums_kernel(BackwardArgs<acc_t<Ts>> a, acc_t<Ts>* row_terms) {
   using A = acc_t<Ts>;
-  using S = BackwardSums<double, kRms>;
-  __shared__ S scratch[2][kMaxRowThreads / 32];
+  using S = BackwardSums<A, kRms>;
+  constexpr int kPacks = kLongPacks<Ts, kVec>;
+  __shared__ S scratch[2][kLongThreads / 32];
+  const A w_base = a.weight != nullptr ? a.weight_offset : A(1);
+  const int threads = static_cast<int>(blockDim.x);
   int parity = 0;
-  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+  auto process_row = [&](int64_t row, auto from_output) {
+    constexpr bool kFromOutput = decltype(from_output)::value;
     A mean, rstd;
     row_stats(a, row, kRms, &mean, &rstd);
-    S s{};
-    for (int64_t col_unit = threadIdx.x; col_unit < a.units; col_unit += blockDim.x) {
-      A dy[kVec], d[kVec], g[kVec];
-      backward_load<Tg, Ts, Tw, kRms, A, kVec>(a, row, col_unit, mean, dy, d, g);
-      add_backward_terms<kRms>(s, d, g);
+    PairwiseMerge<S, 2> sums;
+    for (int64_t first = threadIdx.x; first < a.units; first += static_cast<int64_t>(kPacks) * threads) {
+      bool valid[kPacks], has_weight[kPacks], has_bias[kPacks];
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+        valid[p] = first + static_cast<int64_t>(p) * threads < a.units;
+        has_weight[p] = valid[p] && a.weight != nullptr;
+        has_bias[p] = valid[p] && a.bias != nullptr;
+      }
+      RawPack<Tg, kVec> dy_raw[kPacks];
+      RawPack<Ts, kVec> saved_raw[kPacks];
+      RawPack<Tw, kVec> w_raw[kPacks];
+      RawPack<Tw, kVec> b_raw[kFromOutput && !kRms ? kPacks : 1];
+      load_packs<Tg, kVec, kPacks>(a.grad_out, row * a.units + first, threads, valid, dy_raw);
+      load_packs<Ts, kVec, kPacks>(a.saved, row * a.units + first, threads, valid, saved_raw);
+      load_packs<Tw, kVec, kPacks>(a.weight, first, threads, has_weight, w_raw);
+      if constexpr (kFromOutput && !kRms) load_packs<Tw, kVec, kPacks>(a.bias, first, threads, has_bias, b_raw);
+      S batch{};
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+        if (valid[p]) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            A dy, d, g;
+            element_terms<kFromOutput, kRms>(dy_raw[p], saved_raw[p], w_raw[p], b_raw[kFromOutput && !kRms ? p : 0],
+                                             w_base, mean, j, dy, d, g);
+            batch.v[0] += g;
+            batch.v[1] += g * d;
+            if constexpr (!kRms) batch.v[2] += d;
+          }
+        }
+      }
+      sums.add(batch);
     }
-    s = row_allreduce_one_barrier(s, static_cast<int>(blockDim.x), scratch[parity]);
+    const S s = row_allreduce_one_barrier(sums.total(), threads, scratch[parity]);
     parity ^= 1;
     const RowCoefficients<A> c = row_coefficients<kRms>(a, rstd, s);
-    for (int64_t col_unit = threadIdx.x; col_unit < a.units; col_unit += blockDim.x) {
-      A dy[kVec], d[kVec], g[kVec];
-      backward_load<Tg, Ts, Tw, kRms, A, kVec>(a, row, col_unit, mean, dy, d, g);
-      A xhat[kVec];
-      backward_store<Ts, A, kVec>(a, row, col_unit, c, d, g, xhat);
-      const int64_t offset = blockIdx.x * a.cols + col_unit * kVec;
-      if (a.partial_dweight != nullptr) {
+    if (threadIdx.x == 0) {
+      const A terms[4] = {mean, c.delta, c.mean_g, c.k};
+      store_pack<A, A, 4>(row_terms, row, terms);
+    }
+  };
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    if (a.saved_is_output) process_row(row, std::true_type{});
+    else process_row(row, std::false_type{});
+  }
+}
+
+// Long rows, pass 2 (backward_long_kernel): block b owns column slice b % slices (blockDim.x packs: thread t
+// takes pack slice * blockDim.x + t) of the rows of group b / slices (rows_per_block consecutive rows), and walks
+// them kLongPacks at a time: every load of those rows (dy, saved, grad_residual_out: kResidual, a
+// compile-time flag; row_terms and rstd) issued before any use. Registers: the thread's weight (and, in
+// memory-efficient LayerNorm, bias) pack, loaded once; its columns' dweight / dbias partials in the compute
+// type across all the rows of its group. Writes dx of each row, then ONE partial per (row group, column) in
+// each buffer: reduce_partials_kernel sums the groups in a fixed order. No reduction across threads, no barrier.
+template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec, bool kResidual>
+__global__ void __launch_bounds__(kLongThreads, (backward_long_min_blocks<acc_t<Ts>, kVec, kResidual>()))
+    backward_long_kernel(BackwardArgs<acc_t<Ts>> a, const acc_t<Ts>* row_terms) {
+  using A = acc_t<Ts>;
+  constexpr int kRows = kLongPacks<Ts, kVec>;
+  const int64_t slices = (a.units + blockDim.x - 1) / blockDim.x;
+  const int64_t group = blockIdx.x / slices;
+  const int64_t col_unit = (blockIdx.x % slices) * blockDim.x + threadIdx.x;
+  if (col_unit >= a.units) return;  // the last slice's idle threads: nothing waits for them
+  const int64_t row_begin = group * a.rows_per_block;
+  const int64_t row_end = row_begin + a.rows_per_block < a.rows ? row_begin + a.rows_per_block : a.rows;
+  const int units = static_cast<int>(a.units);  // the row stride, in packs
+  const A w_base = a.weight != nullptr ? a.weight_offset : A(1);
+  auto run = [&](auto from_output) {
+    constexpr bool kFromOutput = decltype(from_output)::value;
+    RawPack<Tw, kVec> w_raw[1], b_raw[1];
+    {
+      const bool has_weight[1] = {a.weight != nullptr};
+      const bool has_bias[1] = {kFromOutput && !kRms && a.bias != nullptr};
+      load_packs<Tw, kVec, 1>(a.weight, col_unit, 0, has_weight, w_raw);
+      load_packs<Tw, kVec, 1>(a.bias, col_unit, 0, has_bias, b_raw);
+    }
+    A dweight[kVec], dbias[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) dweight[j] = dbias[j] = A(0);
+    for (int64_t first = row_begin; first < row_end; first += kRows) {
+      bool valid[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) valid[r] = first + r < row_end;
+      RawPack<Tg, kVec> dy_raw[kRows];
+      RawPack<Ts, kVec> saved_raw[kRows];
+      RawPack<Ts, kVec> extra_raw[kResidual ? kRows : 1];
+      const int64_t first_unit = first * a.units + col_unit;
+      load_packs<Tg, kVec, kRows>(a.grad_out, first_unit, units, valid, dy_raw);
+      load_packs<Ts, kVec, kRows>(a.saved, first_unit, units, valid, saved_raw);
+      if constexpr (kResidual) load_packs<Ts, kVec, kRows>(a.grad_residual_out, first_unit, units, valid, extra_raw);
+      RawPack<A, 4> terms[kRows];
+      A rstd[kRows];
+      load_packs<A, 4, kRows>(row_terms, first, 1, valid, terms);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) rstd[r] = valid[r] ? load_global(a.rstd + first + r) : A(0);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (!valid[r]) continue;
+        RowCoefficients<A> c;
+        const A mean = raw_element<A>(terms[r], 0);
+        c.delta = raw_element<A>(terms[r], 1);
+        c.mean_g = raw_element<A>(terms[r], 2);
+        c.k = raw_element<A>(terms[r], 3);
+        c.rstd = rstd[r];
+        c.xscale = kFromOutput ? A(1) : rstd[r];
+        A dx[kVec];
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          A* partial = a.partial_dweight + offset + j;
-          store_global(partial, load_global(partial) + dy[j] * xhat[j]);
+          A dy, d, g;
+          element_terms<kFromOutput, kRms>(dy_raw[r], saved_raw[r], w_raw[0], b_raw[0], w_base, mean, j, dy, d, g);
+          const A centred = d - c.delta;
+          dx[j] = grad_input_term(c, centred, g);
+          if constexpr (kResidual) dx[j] += raw_element<A>(extra_raw[r], j);
+          dweight[j] += dy * (centred * c.xscale);
+          if constexpr (!kRms) dbias[j] += dy;
         }
-      }
-      if (a.partial_dbias != nullptr) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          A* partial = a.partial_dbias + offset + j;
-          store_global(partial, load_global(partial) + dy[j]);
-        }
+        store_pack<Ts, A, kVec>(a.grad_input, first_unit + static_cast<int64_t>(r) * a.units, dx);
       }
     }
-  }
+    if (a.partial_dweight != nullptr) store_pack<A, A, kVec>(a.partial_dweight + group * a.cols, col_unit, dweight);
+    if (!kRms && a.partial_dbias != nullptr) store_pack<A, A, kVec>(a.partial_dbias + group * a.cols, col_unit, dbias);
+  };
+  if (a.saved_is_output) run(std::true_type{});
+  else run(std::false_type{});
 }
 
 constexpr int kReduceColumns = 32;  // columns per block of reduce_partials_kernel

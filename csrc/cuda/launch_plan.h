@@ -37,7 +37,10 @@ struct LaunchPlan {
   bool staged = false;     // long forward: the row staged in shared memory
   int cluster = 1;         // blocks per thread-block cluster (long forward on sm_90: the blocks of one row)
   bool persistent = false; // grid capped at the resident blocks, each block striding over rows
-  int64_t row_groups = 0;  // rows / rows_per_block, rounded up: the grid of a non-persistent launch
+  int64_t row_groups = 0;  // rows / rows_per_block (long backward: / group_rows), rounded up
+  int64_t group_rows = 0;  // long backward: rows per row group of backward_long_kernel
+  std::string sums_kernel; // long backward: the row sums pass launched before `kernel`, and its grid
+  int64_t sums_grid = 0;
 };
 
 // A call to plan for: the op's variant and dtypes (row_type: the dtype of h and the statistics' rows; for the

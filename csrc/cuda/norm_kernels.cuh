@@ -8,8 +8,9 @@
 //     block of 128 threads, the row held in registers;
 //   - medium rows: one block of 64..512 threads per row (a multiple of 32), the row held in registers;
 //   - long rows (beyond the registers of 512 threads): one block per row; the forward stages the row in
-//     shared memory when it fits, else reads it twice (the second read mostly from L2); the backward reads
-//     twice and keeps its dweight/dbias partials in a global buffer row owned by the block.
+//     shared memory when it fits, else reads it twice (the second read mostly from L2); the backward takes two
+//     kernels: a block per row for the row sums, then blocks of (column slice, row group) for dx, keeping
+//     dweight / dbias in registers over the group's rows (backward_kernels.cuh).
 // Statistics: rows in registers take two passes over them (LayerNorm: the sum for a shift, the rounded mean;
 // then the sums of h - shift and of its square; RMSNorm: the sum of squares). Each thread adds its own
 // values in the compute type; the threads' sums are added in double over __shfl_xor_sync butterflies, always
@@ -159,7 +160,8 @@ std::string kernel_name(const char* function, bool rms, int vec, int packs, bool
   for (const char* type : {type_name<T>()...}) name += std::string(type) + ", ";
   name += std::string(rms ? "true" : "false") + ", " + std::to_string(vec);
   if (packs > 0) name += ", " + std::to_string(packs);
-  if (std::string(function) == "forward_rows_kernel" || std::string(function) == "backward_rows_kernel") {
+  if (std::string(function) == "forward_rows_kernel" || std::string(function) == "backward_rows_kernel" ||
+      std::string(function) == "backward_long_kernel") {
     name += residual ? ", true" : ", false";
   }
   if (quant) name += ", layernorm_ext::cuda::QuantArgs";
@@ -330,7 +332,6 @@ LaunchPlan plan_backward_vec(int64_t rows, int64_t cols, const DeviceLimits& dev
   LaunchPlan plan;
   plan.vec = kVec;
   plan.persistent = true;
-  const void* kernel = nullptr;
   if (!rows_plan.long_path) {
     plan.lanes = rows_plan.lanes;
     plan.rows_per_block = rows_plan.rows_per_block;
@@ -338,20 +339,36 @@ LaunchPlan plan_backward_vec(int64_t rows, int64_t cols, const DeviceLimits& dev
     plan.threads = plan.lanes * plan.rows_per_block;
     plan.dynamic_shared =
         plan.rows_per_block > 1 ? static_cast<size_t>(plan.threads) * plan.packs * kVec * sizeof(A) : 0;
+    const void* kernel = nullptr;
     with_packs<kMax>(plan.packs, [&](auto packs) {
       kernel = reinterpret_cast<const void*>(backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, decltype(packs)::value, false>);
     });
     plan.kernel = kernel_name<Tg, Ts, Tw>("backward_rows_kernel", kRms, kVec, plan.packs, false);
-  } else {
-    plan.lanes = kMaxRowThreads;
-    plan.threads = kMaxRowThreads;
-    kernel = reinterpret_cast<const void*>(backward_long_kernel<Tg, Ts, Tw, kRms, kVec>);
-    plan.kernel = kernel_name<Tg, Ts, Tw>("backward_long_kernel", kRms, kVec, 0, false);
+    // Persistent: as many blocks as fit on the GPU at once, no more than there are row groups.
+    plan.row_groups = (rows + plan.rows_per_block - 1) / plan.rows_per_block;
+    const int64_t resident = device.resident_blocks(kernel, plan.threads, plan.dynamic_shared);
+    plan.grid = std::max<int64_t>(1, resident > 0 ? std::min(plan.row_groups, resident) : plan.row_groups);
+    return plan;
   }
-  // Persistent: as many blocks as fit on the GPU at once, no more than there are row groups.
-  plan.row_groups = (rows + plan.rows_per_block - 1) / plan.rows_per_block;
-  const int64_t resident = device.resident_blocks(kernel, plan.threads, plan.dynamic_shared);
-  plan.grid = std::max<int64_t>(1, resident > 0 ? std::min(plan.row_groups, resident) : plan.row_groups);
+  // Long rows: pass 1, a persistent block per row for the row sums; pass 2, blocks of (column slice, row group).
+  const int64_t units = cols / kVec;
+  const int64_t slices = (units + kLongThreads - 1) / kLongThreads;
+  plan.threads = kLongThreads;
+  plan.lanes = static_cast<int>(std::min<int64_t>(slices * kLongThreads, 1 << 30));  // threads per row, pass 2
+  plan.kernel = kernel_name<Tg, Ts, Tw>("backward_long_kernel", kRms, kVec, 0, false, false);
+  const int64_t resident = device.resident_blocks(
+      reinterpret_cast<const void*>(backward_long_kernel<Tg, Ts, Tw, kRms, kVec, false>), plan.threads, 0);
+  // Row groups: enough (slices x groups) blocks to fill the GPU once, and at most kLongGroupRows rows per group;
+  // then the fewest groups of that size (none empty). Each group costs a [cols] partial row per buffer.
+  const int64_t fill = resident > 0 ? resident / slices : 1;
+  int64_t groups = std::clamp<int64_t>(std::max(fill, (rows + kLongGroupRows - 1) / kLongGroupRows), 1, rows);
+  plan.group_rows = (rows + groups - 1) / groups;
+  plan.row_groups = (rows + plan.group_rows - 1) / plan.group_rows;
+  plan.grid = slices * plan.row_groups;
+  plan.sums_kernel = kernel_name<Tg, Ts, Tw>("backward_long_sums_kernel", kRms, kVec, 0, false);
+  const int64_t sums_resident = device.resident_blocks(
+      reinterpret_cast<const void*>(backward_long_sums_kernel<Tg, Ts, Tw, kRms, kVec>), kLongThreads, 0);
+  plan.sums_grid = std::max<int64_t>(1, sums_resident > 0 ? std::min(rows, sums_resident) : rows);
   return plan;
 }
 
@@ -377,30 +394,32 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
   const LaunchPlan plan = plan_backward_vec<Tg, Ts, Tw, kRms, kVec>(p.rows, p.cols, current_device_limits());
   const bool long_path = plan.packs == 0;
   a.lanes = plan.lanes;
-  a.rows_per_block = plan.rows_per_block;
+  a.rows_per_block = long_path ? static_cast<int>(plan.group_rows) : plan.rows_per_block;
   const int64_t grid = plan.grid;
   const int threads = plan.threads;
   const size_t smem = plan.dynamic_shared;
 
-  // Partial buffers, [grid, cols] each for dweight and (LayerNorm with a bias) dbias, from the caching allocator
-  // on the current stream (graph-safe). grid <= the row groups, so the workspace is
-  // (dweight + dbias) * min(row groups, resident blocks) * cols * sizeof(A) bytes (README, "Workspace").
+  // One workspace from the caching allocator on the current stream (graph-safe): the long path's row terms
+  // ([rows, 4], 16-byte aligned, first), then the partial buffers, [parts, cols] each for dweight and (LayerNorm
+  // with a bias) dbias: parts = grid <= the row groups (rows path), the row groups (long path). So the workspace
+  // is (dweight + dbias) * parts * cols * sizeof(A) (+ 4 * rows * sizeof(A)) bytes (README, "Workspace").
   const bool want_dweight = p.grad_weight != nullptr;
   const bool want_dbias = !kRms && p.grad_bias != nullptr;
-  const size_t partial_elements = static_cast<size_t>(grid) * p.cols;
+  const int64_t parts = long_path ? plan.row_groups : grid;
+  const size_t partial_elements = static_cast<size_t>(parts) * p.cols;
   const size_t buffers = static_cast<size_t>(want_dweight) + static_cast<size_t>(want_dbias);
+  const size_t terms_elements = long_path ? 4 * static_cast<size_t>(p.rows) : 0;
   c10::DataPtr scratch;
-  if (buffers > 0) {
-    scratch = workspace(buffers * partial_elements * sizeof(A));
+  a.partial_dweight = nullptr;
+  a.partial_dbias = nullptr;
+  A* row_terms = nullptr;
+  if (buffers > 0 || long_path) {
+    scratch = workspace((terms_elements + buffers * partial_elements) * sizeof(A));
     A* base = static_cast<A*>(scratch.get());
-    a.partial_dweight = want_dweight ? base : nullptr;
-    a.partial_dbias = want_dbias ? base + (want_dweight ? partial_elements : 0) : nullptr;
-    if (long_path) {
-      C10_CUDA_CHECK(cudaMemsetAsync(base, 0, buffers * partial_elements * sizeof(A), stream));
-    }
-  } else {
-    a.partial_dweight = nullptr;
-    a.partial_dbias = nullptr;
+    row_terms = long_path ? base : nullptr;
+    A* partials = base + terms_elements;
+    a.partial_dweight = want_dweight ? partials : nullptr;
+    a.partial_dbias = want_dbias ? partials + (want_dweight ? partial_elements : 0) : nullptr;
   }
 
   if (!long_path) {
@@ -413,8 +432,15 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
       else launch_rows(packs, std::false_type{});
     });
   } else {
-    auto kernel = backward_long_kernel<Tg, Ts, Tw, kRms, kVec>;
-    LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, 0, stream)(a);
+    auto sums = backward_long_sums_kernel<Tg, Ts, Tw, kRms, kVec>;
+    LNX_LAUNCH(sums, static_cast<unsigned>(plan.sums_grid), kLongThreads, 0, stream)(a, row_terms);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    auto launch_long = [&](auto residual) {
+      auto kernel = backward_long_kernel<Tg, Ts, Tw, kRms, kVec, decltype(residual)::value>;
+      LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, 0, stream)(a, static_cast<const A*>(row_terms));
+    };
+    if (p.grad_residual_out != nullptr) launch_long(std::true_type{});
+    else launch_long(std::false_type{});
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
@@ -422,11 +448,11 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
   auto reduce = reduce_partials_kernel<Tw, A>;
   const unsigned reduce_grid = static_cast<unsigned>((p.cols + kReduceColumns - 1) / kReduceColumns);
   if (want_dweight) {
-    LNX_LAUNCH(reduce, reduce_grid, reduce_block, 0, stream)(a.partial_dweight, p.grad_weight, grid, p.cols);
+    LNX_LAUNCH(reduce, reduce_grid, reduce_block, 0, stream)(a.partial_dweight, p.grad_weight, parts, p.cols);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (want_dbias) {
-    LNX_LAUNCH(reduce, reduce_grid, reduce_block, 0, stream)(a.partial_dbias, p.grad_bias, grid, p.cols);
+    LNX_LAUNCH(reduce, reduce_grid, reduce_block, 0, stream)(a.partial_dbias, p.grad_bias, parts, p.cols);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
