@@ -234,6 +234,8 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
   a.weight_offset = static_cast<A>(p.weight_offset);
   a.cast_before_weight = p.cast_before_weight;
   a.residual_type = p.residual_type;
+  // Per-group and MX scales have no CUDA kernel yet (norm_ops.cpp refuses CUDA inputs): never ignored here.
+  TORCH_CHECK(p.group_size == 0, "layernorm_ext: per-group scales have no CUDA kernel yet");
   const QuantArgs q{p.codes, p.scale, p.scale_ub, p.row_scales, quant_code(p.quant_type)};
   TORCH_INTERNAL_ASSERT(p.residual == nullptr || residual_fits<Th>(p.residual_type),
                         "layernorm_ext: a residual dtype that does not promote to the rows' dtype");
