@@ -228,9 +228,14 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
             multiplicity[b] *= plan.get("once_per_row", 1.0)
 
     # Path: dynamic programming over the region in address order (back edges dropped).
-    barrier_ops = ("BAR",) + CLUSTER_BARRIERS
-    first_barrier = min((i.address for b in region for i in blocks[b].instructions if i.op in barrier_ops),
-                        default=None)
+    # The first barrier this plan runs: the cluster's where a row spans a cluster, else the block's (the other
+    # one's branch is not taken, and may come first in the code).
+    # The row's reduction is the first such barrier after the first load of the row (pass 1).
+    barrier_ops = CLUSTER_BARRIERS if cluster > 1 else ("BAR",)
+    first_row_load = min((i.address for b in region for i in blocks[b].instructions
+                          if i.op in sass.GLOBAL_LOADS and stream.get(i.address) == first_stream), default=-1)
+    first_barrier = min((i.address for b in region for i in blocks[b].instructions
+                         if i.op in barrier_ops and i.address > first_row_load), default=None)
 
     def skipped(i: sass.Instruction) -> bool:
         """An access to a stream the call does not use, under a predicate: the predicate is its null test."""

@@ -149,8 +149,14 @@ class Instruction:
     def params(self) -> list[int]:
         return [int(x, 16) for operand in self.operands for x in _PARAM.findall(operand)]
 
+    @property
+    def is_jump(self) -> bool:
+        """A branch, or CALL.REL.NOINC: a call that leaves no return address, which nvcc uses to jump out of a
+        loop (a predicated one is the loop's exit)."""
+        return self.op in ("BRA", "BRX", "JMP") or (self.op == "CALL" and "NOINC" in self.opcode)
+
     def branch_target(self) -> int | None:
-        if self.op not in ("BRA", "BRX", "JMP"):
+        if not self.is_jump:
             return None
         for operand in self.operands:
             operand = operand.strip()
@@ -249,12 +255,13 @@ class Block:
 
 
 def basic_blocks(function: Function) -> list[Block]:
-    """Basic blocks in address order with their successors (a CALL continues after itself)."""
+    """Basic blocks in address order with their successors (a CALL continues after itself, but for
+    CALL.REL.NOINC: a jump)."""
     instructions = [i for i in function.instructions if i.op != "NOP"]
     targets = {t for i in instructions if (t := i.branch_target()) is not None}
     leaders = {instructions[0].address} | targets
     for previous, instruction in zip(instructions, instructions[1:]):
-        if previous.op in ("BRA", "BRX", "JMP", "EXIT", "RET"):
+        if previous.is_jump or previous.op in ("EXIT", "RET"):
             leaders.add(instruction.address)
     blocks: list[Block] = []
     for instruction in instructions:
@@ -264,7 +271,7 @@ def basic_blocks(function: Function) -> list[Block]:
     by_start = {b.start: b.index for b in blocks}
     for block in blocks:
         last = block.instructions[-1]
-        falls_through = not (last.op in ("BRA", "JMP", "EXIT", "RET", "BRX") and not last.predicate)
+        falls_through = not ((last.is_jump or last.op in ("EXIT", "RET")) and not last.predicate)
         target = last.branch_target()
         if target is not None and target in by_start:
             block.successors.append(by_start[target])
