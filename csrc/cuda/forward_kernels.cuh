@@ -692,7 +692,8 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
 
     // Pass 2: normalize. Each pack's weight and bias are loaded right before their use (they hit L2): loaded for
     // the whole chunk first, they took 128 registers and spilled (ptxas, sm_90, bfloat16 rows with float weights).
-    if constexpr (!kQuant) {
+    // Every valid pack of this thread's share of the row again (from the stage, or re-read): body(unit, h).
+    auto for_each_pack = [&](auto&& body) {
       for (int64_t first = me, slot = threadIdx.x; first < a.units; first += chunk_step, slot += slot_step) {
         bool valid[kChunk];
         chunk_valid(first, valid);
@@ -700,30 +701,24 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
         reload(first, slot, valid, h);
 #pragma unroll
         for (int p = 0; p < kChunk; ++p) {
-          const int64_t unit = first + static_cast<int64_t>(p) * lanes;
-          if (valid[p]) {
-            normalize_store<Tin, Tw, kRms, A, kVec>(a, row, unit, h[p], st, load_affine<Tw, kRms, A, kVec>(a, unit),
-                                                    a.cast_before_weight);
-          }
+          if (valid[p]) body(first + static_cast<int64_t>(p) * lanes, h[p]);
         }
       }
+    };
+    if constexpr (!kQuant) {
+      for_each_pack([&](int64_t unit, A (&h)[kVec]) {
+        normalize_store<Tin, Tw, kRms, A, kVec>(a, row, unit, h, st, load_affine<Tw, kRms, A, kVec>(a, unit),
+                                                a.cast_before_weight);
+      });
     } else {
       // Quantized output: a pass for the absmax (dynamic scale), then one for the codes.
       __shared__ AbsMax absmax_scratch[kMaxRowThreads / 32];
       const QuantArgs& q = quant_args(quant...);
       float absmax = 0.0f;
       if (q.scale == nullptr) {
-        for (int64_t first = me, slot = threadIdx.x; first < a.units; first += chunk_step, slot += slot_step) {
-          bool valid[kChunk];
-          chunk_valid(first, valid);
-          A h[kChunk][kVec];
-          reload(first, slot, valid, h);
-#pragma unroll
-          for (int p = 0; p < kChunk; ++p) {
-            const int64_t unit = first + static_cast<int64_t>(p) * lanes;
-            if (valid[p]) absmax = fold_absmax<Tin, Tw, kRms, A, kVec>(a, h[p], st, load_affine<Tw, kRms, A, kVec>(a, unit), absmax);
-          }
-        }
+        for_each_pack([&](int64_t unit, A (&h)[kVec]) {
+          absmax = fold_absmax<Tin, Tw, kRms, A, kVec>(a, h, st, load_affine<Tw, kRms, A, kVec>(a, unit), absmax);
+        });
       }
       quant::Scaling scaling;
       if constexpr (kDouble) {
@@ -744,20 +739,10 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
         }
         scaling = row_scaling(q, row, writer, absmax, 1, absmax_scratch);  // lanes 1: the absmax is the row's
       }
-      for (int64_t first = me, slot = threadIdx.x; first < a.units; first += chunk_step, slot += slot_step) {
-        bool valid[kChunk];
-        chunk_valid(first, valid);
-        A h[kChunk][kVec];
-        reload(first, slot, valid, h);
-#pragma unroll
-        for (int p = 0; p < kChunk; ++p) {
-          const int64_t unit = first + static_cast<int64_t>(p) * lanes;
-          if (valid[p]) {
-            quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row, unit, h[p], st, load_affine<Tw, kRms, A, kVec>(a, unit),
-                                                   scaling);
-          }
-        }
-      }
+      for_each_pack([&](int64_t unit, A (&h)[kVec]) {
+        quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row, unit, h, st, load_affine<Tw, kRms, A, kVec>(a, unit),
+                                               scaling);
+      });
     }
   }
   if (cluster > 1) cluster_sync();  // no block leaves while the others may still read its warps' states
