@@ -57,6 +57,11 @@ def _base_version() -> str:
     return re.search(r'^__version__ = "([^"]+)"', text, re.MULTILINE).group(1)
 
 
+def _oldest_torch() -> str:
+    """An sdist's (or a pure-Python build's) torch requirement: the oldest release supported, or newer."""
+    return f"torch>={_load_sources_module().OLDEST_TORCH}"
+
+
 def _release(torch_version: str) -> str:
     """'2.13.0+cpu' -> '2.13.0': what the loader compares (layernorm_ext/_loader.py)."""
     return torch_version.split("+")[0]
@@ -71,7 +76,7 @@ def _version_and_requirements(torch, with_cuda: bool) -> tuple[str, list[str]]:
     base, release = _base_version(), _release(torch.__version__)
     building_sdist = "sdist" in sys.argv or (ROOT / "PKG-INFO").is_file()
     if building_sdist:
-        return base, ["torch>=2.5"] if "sdist" in sys.argv else [f"torch=={release}"]
+        return base, [_oldest_torch()] if "sdist" in sys.argv else [f"torch=={release}"]
     accelerator = "cu" + torch.version.cuda.replace(".", "") if with_cuda else "cpu"
     return f"{base}+torch{release}{accelerator}", [f"torch=={release}"]
 
@@ -94,7 +99,7 @@ def _build_ext_class(build_extension: type) -> type:
 def _extensions():
     """(ext_modules, cmdclass, version, install_requires)."""
     if os.environ.get("LAYERNORM_EXT_BUILD", "1") == "0":
-        return [], {}, _base_version(), ["torch>=2.5"]
+        return [], {}, _base_version(), [_oldest_torch()]
     sources_module = _load_sources_module()
     # Before torch.utils.cpp_extension is imported: it reads CUDA_HOME once, at import.
     cuda_home = sources_module.configure_cuda_home()

@@ -12,7 +12,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import re
 import sys
+import warnings
 from types import ModuleType
 
 import torch
@@ -51,6 +53,21 @@ def _release(version: str) -> str:
     return version.split("+")[0]
 
 
+def _warn_if_older_than_supported(version: str) -> None:
+    """A torch older than the oldest release the suite passes on still loads, with a warning saying why."""
+    from ._sources import OLDEST_TORCH
+
+    running = tuple(int(part) for part in re.findall(r"\d+", _release(version))[:2])
+    oldest = tuple(int(part) for part in OLDEST_TORCH.split("."))
+    if running < oldest:
+        warnings.warn(
+            f"layernorm_ext supports torch {OLDEST_TORCH} and newer; torch {version} is running. Its own "
+            "F.rms_norm differs (eps=None is the input dtype's eps, a wider weight promotes the result), and "
+            "layernorm_ext's drop-ins do not follow it there.",
+            stacklevel=3,
+        )
+
+
 def _load_prebuilt() -> ModuleType | None:
     """The library setup.py built, or None when the package was installed without one."""
     name = f"{__package__}._C"
@@ -77,6 +94,7 @@ def _load_jit() -> ModuleType:
 
 def load() -> ModuleType:
     global load_method
+    _warn_if_older_than_supported(torch.__version__)
     _refuse_if_registered()
     if os.environ.get("LAYERNORM_EXT_JIT", "0") == "1":
         module, load_method = _load_jit(), "jit"

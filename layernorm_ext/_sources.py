@@ -66,6 +66,11 @@ def cxx_flags() -> list[str]:
 # Macro telling the shared sources (bindings.cpp, norm.h) that the CUDA kernels are linked in.
 WITH_CUDA_DEFINE = "LAYERNORM_EXT_WITH_CUDA"
 
+# The oldest torch release supported: the oldest the suite passes on (CI's torch range leg, .ci/torch_range, runs
+# it). On 2.6 and before, torch's own F.rms_norm means something else (eps=None is the input dtype's eps, a wider
+# weight promotes the result), which the drop-ins and the tests' references do not follow.
+OLDEST_TORCH = "2.7"
+
 # Architectures built when TORCH_CUDA_ARCH_LIST is unset and no GPU is visible: Ampere, Hopper, datacenter
 # Blackwell (sm_100) and consumer Blackwell (sm_120), with PTX for newer GPUs to JIT from. SASS of sm_90 does
 # not run on sm_100/sm_120, and JIT from sm_90 PTX would cost a first-call compile of every kernel there.

@@ -28,3 +28,15 @@ def test_local_version_suffix_is_not_a_mismatch() -> None:
     built = str(layernorm_ext.build_info()["torch_version"])
     proc = _import_with_torch_version(f"{built}+cu999")
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_torch_older_than_supported_warns() -> None:
+    from layernorm_ext._sources import OLDEST_TORCH
+
+    major, minor = (int(part) for part in OLDEST_TORCH.split("."))
+    older = f"{major}.{minor - 1}.0"
+    proc = _import_with_torch_version(older)
+    # The warning comes first; the import then refuses a library built against another torch.
+    assert f"UserWarning: layernorm_ext supports torch {OLDEST_TORCH} and newer; torch {older} is running" in proc.stderr
+    proc = _import_with_torch_version(str(layernorm_ext.build_info()["torch_version"]))
+    assert proc.returncode == 0 and "supports torch" not in proc.stderr, proc.stderr[-2000:]
