@@ -271,7 +271,10 @@ void check_group_size(const char* op, at::IntArrayRef normalized_shape, int64_t 
 GroupScalesLayout check_group_scales_buffer(const char* op, const Tensor& input, const OptTensor& scales,
                                             at::IntArrayRef scale_shape, ScalarType scales_dtype) {
   TORCH_CHECK(scales.has_value(), op,
-              ": a dynamic scale (no scale=) needs a scales= buffer for the per-group scales of shape ", scale_shape);
+              scales_dtype == ScalarType::Float8_e4m3fn
+                  ? ": NVFP4 codes need a scales= buffer for their blocks' float8_e4m3fn scales of shape "
+                  : ": a dynamic scale (no scale=) needs a scales= buffer for the per-group scales of shape ",
+              scale_shape);
   check_destination_shape(op, "scales", input, *scales, scales_dtype, scale_shape);
   const int64_t groups = scale_shape.back();
   const int64_t rows = c10::multiply_integers(scale_shape.begin(), scale_shape.end() - 1);

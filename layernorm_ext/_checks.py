@@ -203,6 +203,9 @@ def check_group_scales_buffer(
 ) -> None:
     """check_group_scales_buffer: row-major or column-major (each group's scales of all rows contiguous)."""
     if scales is None:
+        if scales_dtype == torch.float8_e4m3fn:
+            _fail(op, "NVFP4 codes need a scales= buffer for their blocks' float8_e4m3fn scales of shape "
+                      f"{_sizes(scale_shape)}")
         _fail(op, "a dynamic scale (no scale=) needs a scales= buffer for the per-group scales of shape "
                   f"{_sizes(scale_shape)}")
     _check_destination_shape(op, "scales", input, scales, scales_dtype, scale_shape)

@@ -79,9 +79,9 @@ from .functional import ShapeLike, _as_shape
 _ops = torch.ops.layernorm_ext
 
 _ARGS_DOC = """
-    ``quant_dtype``: torch.float8_e4m3fn, torch.float8_e5m2, torch.int8 or torch.float4_e2m1fn_x2; by default out's dtype with ``out=``, else
-    torch.float8_e4m3fn. ``scale``: a float32 tensor of one element
-    on the input's device, the static scale; without it each row gets its own scale, capped by ``scale_ub`` (a
+    ``quant_dtype``: torch.float8_e4m3fn, torch.float8_e5m2, torch.int8 or torch.float4_e2m1fn_x2; by default
+    out's dtype with ``out=``, else torch.float8_e4m3fn. ``scale``: a float32 tensor of one element on the input's
+    device, the static scale; without it each row gets its own scale, capped by ``scale_ub`` (a
     float32 tensor of one element) when given. ``weight_offset`` / ``cast_before_weight`` as in
     :func:`layernorm_ext.layer_norm`. ``group_size`` (> 0, dividing the row's elements; a 1-D normalized_shape,
     dynamic scales only): a scale per group of ``group_size`` consecutive elements of a row instead of one per row
