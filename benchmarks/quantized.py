@@ -1,6 +1,6 @@
 """Quantized output (issue 27): our fused norm + quantize against the unfused composite (our norm, then torch ops
-computing the same codes: absmax, scale, multiply / divide, clamp, cast), per row and per group, CPU, one thread,
-the median of --repeats timings of one call, no grad. The composite's codes are checked equal to ours first.
+computing the same codes: absmax, scale, multiply / divide, clamp, cast), per row, per group and NVFP4, CPU, one
+thread, the median of --repeats timings of one call, no grad. The composite's codes are checked equal to ours first.
 
     python benchmarks/quantized.py [--repeats 20]
 """
@@ -38,6 +38,23 @@ def composite(x: torch.Tensor, w: torch.Tensor, quant_dtype: torch.dtype, group_
     return codes, scale.squeeze(-1) if group_size else scale.view(-1, 1)
 
 
+def composite_nvfp4(x: torch.Tensor, w: torch.Tensor, global_scale: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm, then NVFP4 in torch ops (vLLM's ref_nvfp4_quant): e4m3 block scales, e2m1 codes rounded to
+    nearest even (steps of 0.5 below 2, 1 below 4, 2 above; torch.round is half to even), packed two per byte."""
+    y = L.rms_norm(x, x.shape[-1], w, 1e-6).float()
+    blocks = y.unflatten(-1, (-1, 16))
+    scales = (global_scale * (blocks.abs().amax(-1, keepdim=True) * (1.0 / 6.0))).clamp(-448.0, 448.0)
+    scales = scales.to(torch.float8_e4m3fn)
+    inverse = scales.float() * global_scale.reciprocal()
+    v = (blocks * torch.where(inverse == 0, 0.0, inverse.reciprocal())).flatten(-2)
+    m = v.abs()
+    value = torch.where(m < 2, (m * 2).round() / 2, torch.where(m < 4, m.round(), (m / 2).round() * 2)).clamp(max=6)
+    code = torch.where(value < 2, value * 2, torch.where(value <= 4, value + 2, 7.0)).to(torch.uint8)
+    code = torch.where(v.isnan(), 7, code | (v.signbit().to(torch.uint8) << 3))
+    return (code[..., 0::2] | (code[..., 1::2] << 4)).view(torch.float4_e2m1fn_x2), scales.squeeze(-1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
@@ -64,6 +81,21 @@ def main() -> None:
                 kind = f"per group of {group_size}" if group_size else "per row"
                 print(f"| {rows}x{cols} bf16 | {kind} | {str(quant_dtype).removeprefix('torch.')} | {ours:.0f} | "
                       f"{theirs:.0f} | {theirs / ours:.2f}x |")
+        global_scale = torch.tensor([448.0 * 6.0]) / L.rms_norm(x, cols, w, 1e-6).float().abs().amax()
+
+        def fused_nvfp4() -> tuple[torch.Tensor, torch.Tensor]:
+            return L.rms_norm_quant(x, cols, w, 1e-6, quant_dtype=torch.float4_e2m1fn_x2, scale=global_scale)
+
+        def unfused_nvfp4() -> tuple[torch.Tensor, torch.Tensor]:
+            return composite_nvfp4(x, w, global_scale)
+
+        with torch.no_grad():
+            (codes, scales), (want_codes, want_scales) = fused_nvfp4(), unfused_nvfp4()
+            assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+            assert torch.equal(scales.view(torch.uint8), want_scales.view(torch.uint8))
+            ours, theirs = median_us(fused_nvfp4, args.repeats), median_us(unfused_nvfp4, args.repeats)
+        print(f"| {rows}x{cols} bf16 | NVFP4 (e4m3 per 16) | float4_e2m1fn_x2 | {ours:.0f} | {theirs:.0f} | "
+              f"{theirs / ours:.2f}x |")
 
 
 if __name__ == "__main__":

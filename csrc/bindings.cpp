@@ -69,7 +69,10 @@ static void define_schemas(torch::Library& m) {
   // static scale); with group_size > 0 a dynamic scale per group of group_size columns instead (shaped as the
   // rows, then the groups; scales_column_major: each group's scales of all rows contiguous, vLLM's transposed
   // layout); scales_dtype float8_e8m0fnu makes them MX block scales (powers of two, OCP MX: MXFP8 with
-  // group_size 32), float32 otherwise (with scales=, the buffer's dtype). residual_out is h with a residual ([0] without). No statistics, no autograd (inference ops).
+  // group_size 32), float32 otherwise (with scales=, the buffer's dtype). quant_dtype float4_e2m1fn_x2 is NVFP4:
+  // scale is then its global scale (required), out [..., N / 2] (two codes per byte) and scales the float8_e4m3fn
+  // scales of the blocks of 16 columns ([..., N / 16]; group_size 16 or 0). residual_out is h with a residual ([0]
+  // without). No statistics, no autograd (inference ops).
   m.def(
       "layer_norm_quant(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
       "ScalarType quant_dtype, Tensor? scale=None, Tensor? scale_ub=None, Tensor? residual=None, "

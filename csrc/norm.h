@@ -41,14 +41,16 @@ NormGeometry check_backward_args(const char* op, const Tensor& grad_out, const T
 // weight_offset: finite, and nonzero only with a weight (the scale is weight + weight_offset).
 void check_weight_offset(const char* op, const OptTensor& weight, double weight_offset);
 // A caller's output buffer (out=, residual_out=, or the in-place ops' input / residual): on input's device,
-// input's shape, the given dtype, its last normalized_ndim dims packed and no leading dim of stride 0.
+// input's shape (or shape: NVFP4's codes, two per byte), the given dtype, its last normalized_ndim dims packed and no
+// leading dim of stride 0.
 void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest,
-                       int64_t normalized_ndim, ScalarType dtype);
+                       int64_t normalized_ndim, ScalarType dtype, at::OptionalIntArrayRef shape = std::nullopt);
 // A buffer of another shape (the per-row scales): that shape, the dtype, contiguous.
 void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest, ScalarType dtype,
                        at::IntArrayRef shape);
-// The quantized-output ops: quant_dtype float8_e4m3fn, float8_e5m2 or int8; scale (static) and scale_ub (a cap of
-// the dynamic scale, so never with scale) float32 tensors of one element on input's device.
+// The quantized-output ops: quant_dtype float8_e4m3fn, float8_e5m2, int8 or float4_e2m1fn_x2 (NVFP4, which needs
+// scale: its global scale); scale (static) and scale_ub (a cap of the dynamic scale, so never with scale) float32
+// tensors of one element on input's device.
 // dtype_of_out: quant_dtype is an out= buffer's dtype (the *_quant_into ops), and the error says so.
 void check_quant_args(const char* op, const Tensor& input, ScalarType quant_dtype, const OptTensor& scale,
                       const OptTensor& scale_ub, bool dtype_of_out = false);
@@ -58,7 +60,9 @@ void check_scales_buffer(const char* op, const Tensor& input, bool static_scale,
                          at::IntArrayRef scale_shape);
 // Per-group scales (group_size > 0): dynamic only (no scale=), a 1-D normalized_shape whose cols it divides;
 // scales_column_major only with it.
-// scales_dtype: float32, or float8_e8m0fnu (MX block scales: with a group_size and float8 codes).
+// scales_dtype: float32, or float8_e8m0fnu (MX block scales: with a group_size and float8 codes). NVFP4 codes
+// (float4_e2m1fn_x2): group_size 16 or 0 (meaning 16), float8_e4m3fn scales, a 1-D normalized_shape of a multiple
+// of 16 elements, scale= its global scale.
 void check_group_size(const char* op, at::IntArrayRef normalized_shape, int64_t group_size, bool static_scale,
                       bool scales_column_major, ScalarType scales_dtype, ScalarType quant_dtype);
 // Where a scales= buffer of per-group scales (rows x groups, dims as scale_shape) puts row r's group g:

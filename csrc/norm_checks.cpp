@@ -1,6 +1,7 @@
 // Argument checks for every op on every device: the one place where bad input is turned into a clear,
 // ATen-worded error before any kernel sees it.
 #include "norm.h"
+#include "quant_math.h"
 
 #include <ATen/MemoryOverlap.h>
 
@@ -163,8 +164,8 @@ void check_destination_shape(const char* op, const char* name, const Tensor& inp
 }  // namespace
 
 void check_destination(const char* op, const char* name, const Tensor& input, const Tensor& dest,
-                       int64_t normalized_ndim, ScalarType dtype) {
-  check_destination_shape(op, name, input, dest, dtype, input.sizes());
+                       int64_t normalized_ndim, ScalarType dtype, at::OptionalIntArrayRef shape) {
+  check_destination_shape(op, name, input, dest, dtype, shape.has_value() ? *shape : input.sizes());
   // The kernels write each row in place (row_layout.h): its normalized dims packed, the leading dims any
   // strides but 0 (rows written twice, as ATen refuses for any out=).
   const at::IntArrayRef sizes = dest.sizes(), strides = dest.strides();
@@ -198,13 +199,16 @@ void check_no_overlap(const char* op, const char* name, const Tensor& dest, cons
 
 void check_quant_args(const char* op, const Tensor& input, ScalarType quant_dtype, const OptTensor& scale,
                       const OptTensor& scale_ub, bool dtype_of_out) {
+  const bool nvfp4 = quant_dtype == ScalarType::Float4_e2m1fn_x2;
   const bool supported = quant_dtype == ScalarType::Float8_e4m3fn || quant_dtype == ScalarType::Float8_e5m2 ||
-                         quant_dtype == ScalarType::Char;
+                         quant_dtype == ScalarType::Char || nvfp4;
   TORCH_CHECK(supported || !dtype_of_out, op,
-              ": expected out to be a torch.float8_e4m3fn, torch.float8_e5m2 or torch.int8 tensor (the codes), but "
-              "got out of dtype ", quant_dtype);
-  TORCH_CHECK(supported, op, ": expected quant_dtype to be torch.float8_e4m3fn, torch.float8_e5m2 or torch.int8, "
-              "but got ", quant_dtype);
+              ": expected out to be a torch.float8_e4m3fn, torch.float8_e5m2, torch.int8 or torch.float4_e2m1fn_x2 "
+              "tensor (the codes), but got out of dtype ", quant_dtype);
+  TORCH_CHECK(supported, op, ": expected quant_dtype to be torch.float8_e4m3fn, torch.float8_e5m2, torch.int8 or "
+              "torch.float4_e2m1fn_x2, but got ", quant_dtype);
+  TORCH_CHECK(!nvfp4 || scale.has_value(), op, ": NVFP4 codes (float4_e2m1fn_x2) need scale=, their float32 global "
+              "scale (the blocks' float8_e4m3fn scales are computed)");
   TORCH_CHECK(!(scale.has_value() && scale_ub.has_value()), op,
               ": scale_ub caps the dynamic per-row scale, so it cannot be given with a static scale");
   auto check_one_float = [&](const char* name, const Tensor& t) {
@@ -231,6 +235,17 @@ void check_scales_buffer(const char* op, const Tensor& input, bool static_scale,
 
 void check_group_size(const char* op, at::IntArrayRef normalized_shape, int64_t group_size, bool static_scale,
                       bool scales_column_major, ScalarType scales_dtype, ScalarType quant_dtype) {
+  if (quant_dtype == ScalarType::Float4_e2m1fn_x2) {
+    TORCH_CHECK(group_size == 0 || group_size == quant::kNvfp4Block, op, ": NVFP4 codes (float4_e2m1fn_x2) have "
+                "blocks of 16 elements (group_size 16, or 0), but got group_size=", group_size);
+    TORCH_CHECK(scales_dtype == ScalarType::Float8_e4m3fn, op,
+                ": NVFP4 block scales are float8_e4m3fn, but got scales_dtype ", scales_dtype);
+    TORCH_CHECK(normalized_shape.size() == 1, op, ": NVFP4 codes need a 1-D normalized_shape (blocks along its "
+                "dim), but got normalized_shape ", normalized_shape);
+    TORCH_CHECK(normalized_shape[0] % quant::kNvfp4Block == 0, op, ": NVFP4 codes need rows of a multiple of 16 "
+                "elements (their blocks), but got rows of ", normalized_shape[0]);
+    return;
+  }
   TORCH_CHECK(group_size >= 0, op, ": expected group_size to be positive (or 0: a scale per row), but got ",
               group_size);
   TORCH_CHECK(scales_dtype == ScalarType::Float || scales_dtype == ScalarType::Float8_e8m0fnu, op,
@@ -256,7 +271,10 @@ void check_group_size(const char* op, at::IntArrayRef normalized_shape, int64_t 
 GroupScalesLayout check_group_scales_buffer(const char* op, const Tensor& input, const OptTensor& scales,
                                             at::IntArrayRef scale_shape, ScalarType scales_dtype) {
   TORCH_CHECK(scales.has_value(), op,
-              ": a dynamic scale (no scale=) needs a scales= buffer for the per-group scales of shape ", scale_shape);
+              scales_dtype == ScalarType::Float8_e4m3fn
+                  ? ": NVFP4 codes need a scales= buffer for their blocks' float8_e4m3fn scales of shape "
+                  : ": a dynamic scale (no scale=) needs a scales= buffer for the per-group scales of shape ",
+              scale_shape);
   check_destination_shape(op, "scales", input, *scales, scales_dtype, scale_shape);
   const int64_t groups = scale_shape.back();
   const int64_t rows = c10::multiply_integers(scale_shape.begin(), scale_shape.end() - 1);

@@ -64,7 +64,13 @@ struct WrittenRows {
   Tensor target, rows;
   RowLayout layout;
   void copy_back() const {
-    if (!rows.is_same(target)) target.copy_(rows);
+    if (rows.is_same(target)) return;
+    // float4_e2m1fn_x2 (NVFP4 codes) has no copy kernel: its bytes are copied
+    if (target.scalar_type() == ScalarType::Float4_e2m1fn_x2) {
+      target.view(ScalarType::Byte).copy_(rows.view(ScalarType::Byte));
+    } else {
+      target.copy_(rows);
+    }
   }
 };
 
@@ -142,22 +148,29 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   const uint8_t unread = std::exchange(outputs_unread, 0);
   const bool given = dest.out.has_value();
   const QuantRequest* quant = dest.quant;
-  const int64_t group_size = quant != nullptr ? quant->group_size : 0;
+  // NVFP4: codes two per byte, a float8_e4m3fn scale per block of 16 columns (group_size 0 means 16), scale the
+  // global scale.
+  const bool nvfp4 = quant != nullptr && quant->dtype == ScalarType::Float4_e2m1fn_x2;
+  const int64_t group_size = quant == nullptr ? 0 : (nvfp4 && quant->group_size == 0 ? quant::kNvfp4Block
+                                                                                     : quant->group_size);
   ScalarType scales_dtype = ScalarType::Float;
   if (quant != nullptr) {
     check_quant_args(op, input_arg, quant->dtype, quant->scale, quant->scale_ub, given);
-    // The scales' dtype: as asked for new scales; per group into a buffer, the buffer's (MX or float32).
+    // The scales' dtype: as asked for new scales; per group into a buffer, the buffer's (MX or float32); NVFP4's
+    // float8_e4m3fn (a buffer of another dtype is refused by its shape-and-dtype check).
     if (quant->scales_dtype.has_value()) {
       scales_dtype = *quant->scales_dtype;
     } else if (group_size > 0 && quant->scales_out.has_value() &&
                quant->scales_out->scalar_type() == ScalarType::Float8_e8m0fnu) {
       scales_dtype = ScalarType::Float8_e8m0fnu;
+    } else if (nvfp4) {
+      scales_dtype = ScalarType::Float8_e4m3fn;
     }
     check_group_size(op, normalized_shape, group_size, quant->scale.has_value(), quant->scales_column_major,
                      scales_dtype, quant->dtype);
     TORCH_CHECK_NOT_IMPLEMENTED(group_size == 0 || input_arg.is_cpu(), op,
-                                ": group_size (per-group scales) has a CPU kernel only so far, but got an input on ",
-                                input_arg.device());
+                                nvfp4 ? ": NVFP4 codes (float4_e2m1fn_x2)" : ": group_size (per-group scales)",
+                                " has a CPU kernel only so far, but got an input on ", input_arg.device());
   }
   // One scale per row, shaped as the rows with 1 for each normalized dim: it broadcasts against the codes; per
   // group, shaped as the rows and then the groups (vLLM's). (Only the quantized ops have scales.)
@@ -170,11 +183,15 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
       scale_shape.resize(scale_shape.size() + normalized_shape.size(), 1);
     }
   }
+  // The codes' shape, and the elements of a row of them: NVFP4's hold two columns each.
+  std::vector<int64_t> codes_shape = input_arg.sizes().vec();
+  if (nvfp4) codes_shape.back() /= 2;
+  const int64_t code_cols = nvfp4 ? g.cols / 2 : g.cols;
   GroupScalesLayout group_layout{0, 0};
   if (given) {
     const char* out_name = dest.in_place ? "input" : "out";
     check_destination(op, out_name, input_arg, *dest.out, normalized_ndim,
-                      quant != nullptr ? quant->dtype : input_arg.scalar_type());
+                      quant != nullptr ? quant->dtype : input_arg.scalar_type(), codes_shape);
     if (group_size > 0) {
       group_layout = check_group_scales_buffer(op, input_arg, quant->scales_out, scale_shape, scales_dtype);
     } else if (quant != nullptr) {
@@ -234,7 +251,7 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   const OptTensor residual = residual_rows.has_value() ? OptTensor(residual_rows->rows) : std::nullopt;
   // The caller's buffers, written in place where their layouts allow; new outputs are contiguous, as ATen's.
   const std::optional<WrittenRows> out_rows =
-      given ? std::optional<WrittenRows>(written_rows(*dest.out, normalized_ndim, g.cols)) : std::nullopt;
+      given ? std::optional<WrittenRows>(written_rows(*dest.out, normalized_ndim, code_cols)) : std::nullopt;
   const std::optional<WrittenRows> residual_out_rows =
       given && residual_arg.has_value()
           ? std::optional<WrittenRows>(written_rows(*dest.residual_out, normalized_ndim, g.cols))
@@ -242,14 +259,15 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
 
   ForwardResult r;
   const bool dynamic_scale = quant != nullptr && !quant->scale.has_value();
+  const bool writes_scales = dynamic_scale || nvfp4;  // NVFP4's block scales are dynamic, its scale the global one
   const OptTensor scale = quant != nullptr ? contiguous(quant->scale) : std::nullopt;
   const OptTensor scale_ub = quant != nullptr ? contiguous(quant->scale_ub) : std::nullopt;
   if (given) {
     r.out = *dest.out;  // nothing returned: no placeholder either
     if (residual.has_value()) r.residual_out = *dest.residual_out;
-    if (dynamic_scale) r.scales = *quant->scales_out;
+    if (writes_scales) r.scales = *quant->scales_out;
   } else if (quant != nullptr) {
-    r.out = at::empty(input.sizes(), input.options().dtype(quant->dtype));
+    r.out = at::empty(codes_shape, input.options().dtype(quant->dtype));
     r.residual_out = residual.has_value() ? at::empty(input.sizes(), input.options().dtype(h_type))
                                           : placeholder(input, input.scalar_type());
     if (group_size > 0 && quant->scales_column_major) {
@@ -258,7 +276,7 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
       r.scales = at::empty(groups_first, input.options().dtype(scales_dtype)).movedim(0, -1);
       group_layout = {1, g.rows};
     } else {
-      r.scales = dynamic_scale ? at::empty(scale_shape, input.options().dtype(scales_dtype))
+      r.scales = writes_scales ? at::empty(scale_shape, input.options().dtype(scales_dtype))
                                : placeholder(input, ScalarType::Float);
       if (group_size > 0) group_layout = {g.cols / group_size, 1};
     }
@@ -298,7 +316,7 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
                                                    : r.residual_out.data_ptr();
   p.input_rows = input_rows.layout;
   p.residual_rows = residual_rows.has_value() ? residual_rows->layout : RowLayout::packed(g.cols);
-  p.out_rows = out_rows.has_value() ? out_rows->layout : RowLayout::packed(g.cols);
+  p.out_rows = out_rows.has_value() ? out_rows->layout : RowLayout::packed(code_cols);
   p.residual_out_rows = residual_out_rows.has_value() ? residual_out_rows->layout : RowLayout::packed(g.cols);
   p.mean = r.mean.defined() ? r.mean.data_ptr() : nullptr;
   p.rstd = r.rstd.defined() ? r.rstd.data_ptr() : nullptr;
@@ -324,6 +342,7 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     const bool mx = scales_dtype == ScalarType::Float8_e8m0fnu;
     p.row_scales = dynamic_scale && !mx ? r.scales.data_ptr<float>() : nullptr;
     p.mx_scales = mx ? static_cast<uint8_t*>(r.scales.data_ptr()) : nullptr;
+    p.nvfp4_scales = nvfp4 ? static_cast<uint8_t*>(r.scales.data_ptr()) : nullptr;
     p.group_size = group_size;
     p.scale_row_stride = group_layout.row_stride;
     p.scale_group_stride = group_layout.group_stride;

@@ -14,9 +14,10 @@ namespace layernorm_ext {
 
 using c10::ScalarType;
 
-// The codes' format of a quantized output's dtype (norm_checks.cpp admits these three).
+// The codes' format of a quantized output's dtype (norm_checks.cpp admits these four).
 inline quant::Code quant_code(ScalarType quant_type) {
   if (quant_type == ScalarType::Char) return quant::Code::kInt8;
+  if (quant_type == ScalarType::Float4_e2m1fn_x2) return quant::Code::kE2m1;
   return quant_type == ScalarType::Float8_e5m2 ? quant::Code::kE5m2 : quant::Code::kE4m3fn;
 }
 
@@ -62,6 +63,9 @@ struct NormForwardParams {
   // row_scales[r * scale_row_stride + g * scale_group_stride] (row-major or column-major, see norm_checks.cpp).
   int64_t group_size = 0;
   uint8_t* mx_scales = nullptr;  // per group, float8_e8m0fnu MX scales (quant_math.h) instead of row_scales
+  // NVFP4 (quant_type float4_e2m1fn_x2, group_size 16): codes two per byte (an even column in the low nibble, the
+  // rows cols / 2 bytes: out_rows counts bytes), scale the global scale, the blocks' float8_e4m3fn scales here.
+  uint8_t* nvfp4_scales = nullptr;
   int64_t scale_row_stride = 1;
   int64_t scale_group_stride = 0;
   RowLayout input_rows, residual_rows, out_rows, residual_out_rows;  // out_rows: out's, or codes'

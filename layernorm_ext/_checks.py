@@ -23,7 +23,21 @@ _C10_NAMES = {
     torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
     torch.complex32: "ComplexHalf", torch.float8_e4m3fn: "Float8_e4m3fn", torch.float8_e5m2: "Float8_e5m2",
     torch.float8_e4m3fnuz: "Float8_e4m3fnuz", torch.float8_e5m2fnuz: "Float8_e5m2fnuz",
+    torch.float8_e8m0fnu: "Float8_e8m0fnu", torch.float4_e2m1fn_x2: "Float4_e2m1fn_x2",
 }  # fmt: skip
+
+
+# NVFP4 codes (two float4_e2m1 per byte) and their blocks of columns (csrc/quant_math.h kNvfp4Block).
+NVFP4 = torch.float4_e2m1fn_x2
+NVFP4_BLOCK = 16
+
+
+def codes_shape(input_shape: Sequence[object], quant_dtype: torch.dtype) -> list[object]:
+    """The codes' shape: input's, the last dim halved for NVFP4 (two codes per byte)."""
+    shape = list(input_shape)
+    if quant_dtype == NVFP4:
+        shape[-1] = shape[-1] // 2
+    return shape
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -121,12 +135,15 @@ def check_quant(
     dtype_of_out: bool = False,
 ) -> None:
     """check_quant_args."""
-    if quant_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
+    if quant_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, NVFP4):
         if dtype_of_out:
-            _fail(op, "expected out to be a torch.float8_e4m3fn, torch.float8_e5m2 or torch.int8 tensor (the codes), "
-                      f"but got out of dtype {_name(quant_dtype)}")
-        _fail(op, "expected quant_dtype to be torch.float8_e4m3fn, torch.float8_e5m2 or torch.int8, but got "
-                  f"{_name(quant_dtype)}")
+            _fail(op, "expected out to be a torch.float8_e4m3fn, torch.float8_e5m2, torch.int8 or "
+                      f"torch.float4_e2m1fn_x2 tensor (the codes), but got out of dtype {_name(quant_dtype)}")
+        _fail(op, "expected quant_dtype to be torch.float8_e4m3fn, torch.float8_e5m2, torch.int8 or "
+                  f"torch.float4_e2m1fn_x2, but got {_name(quant_dtype)}")
+    if quant_dtype == NVFP4 and scale is None:
+        _fail(op, "NVFP4 codes (float4_e2m1fn_x2) need scale=, their float32 global scale (the blocks' "
+                  "float8_e4m3fn scales are computed)")
     if scale is not None and scale_ub is not None:
         _fail(op, "scale_ub caps the dynamic per-row scale, so it cannot be given with a static scale")
     for name, t in (("scale", scale), ("scale_ub", scale_ub)):
@@ -143,6 +160,19 @@ def check_group_size(
     scales_dtype: torch.dtype, quant_dtype: torch.dtype,
 ) -> None:
     """check_group_size."""
+    if quant_dtype == NVFP4:
+        if group_size not in (0, NVFP4_BLOCK):
+            _fail(op, f"NVFP4 codes (float4_e2m1fn_x2) have blocks of 16 elements (group_size 16, or 0), but got "
+                      f"group_size={group_size}")
+        if scales_dtype != torch.float8_e4m3fn:
+            _fail(op, f"NVFP4 block scales are float8_e4m3fn, but got scales_dtype {_name(scales_dtype)}")
+        if len(normalized_shape) != 1:
+            _fail(op, "NVFP4 codes need a 1-D normalized_shape (blocks along its dim), but got normalized_shape "
+                      f"{_sizes(normalized_shape)}")
+        if normalized_shape[0] % NVFP4_BLOCK != 0:
+            _fail(op, f"NVFP4 codes need rows of a multiple of 16 elements (their blocks), but got rows of "
+                      f"{normalized_shape[0]}")
+        return
     if group_size < 0:
         _fail(op, f"expected group_size to be positive (or 0: a scale per row), but got {group_size}")
     if scales_dtype not in (torch.float32, torch.float8_e8m0fnu):
@@ -173,6 +203,9 @@ def check_group_scales_buffer(
 ) -> None:
     """check_group_scales_buffer: row-major or column-major (each group's scales of all rows contiguous)."""
     if scales is None:
+        if scales_dtype == torch.float8_e4m3fn:
+            _fail(op, "NVFP4 codes need a scales= buffer for their blocks' float8_e4m3fn scales of shape "
+                      f"{_sizes(scale_shape)}")
         _fail(op, "a dynamic scale (no scale=) needs a scales= buffer for the per-group scales of shape "
                   f"{_sizes(scale_shape)}")
     _check_destination_shape(op, "scales", input, scales, scales_dtype, scale_shape)
@@ -197,12 +230,13 @@ def _check_destination_shape(
 
 
 def check_destination(
-    op: str, name: str, input: Tensor, dest: Tensor, normalized_ndim: int, dtype: torch.dtype
+    op: str, name: str, input: Tensor, dest: Tensor, normalized_ndim: int, dtype: torch.dtype,
+    shape: Sequence[object] | None = None,
 ) -> None:
-    """check_destination of a buffer of rows: input's shape, the normalized dims packed, no leading dim of
-    stride 0. (check_no_overlap is not mirrored: fake tensors have no memory to compare; a traced program whose
-    buffers overlap fails when it runs.)"""
-    _check_destination_shape(op, name, input, dest, dtype, input.shape)
+    """check_destination of a buffer of rows: input's shape (or shape: NVFP4's codes), the normalized dims packed,
+    no leading dim of stride 0. (check_no_overlap is not mirrored: fake tensors have no memory to compare; a traced
+    program whose buffers overlap fails when it runs.)"""
+    _check_destination_shape(op, name, input, dest, dtype, input.shape if shape is None else shape)
     sizes, strides = dest.shape, dest.stride()
     axis = dest.dim() - normalized_ndim
     packed = 1

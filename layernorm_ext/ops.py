@@ -208,11 +208,15 @@ def _fake_quant(
     stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual, rms=_is_rms(op))
     _checks.check_weight_offset(op, weight, weight_offset)
     _checks.check_quant(op, input, quant_dtype, scale, scale_ub)
-    scales_dtype = torch.float32 if scales_dtype is None else scales_dtype
+    nvfp4 = quant_dtype == _checks.NVFP4
+    if scales_dtype is None:
+        scales_dtype = torch.float8_e4m3fn if nvfp4 else torch.float32
     _checks.check_group_size(op, normalized_shape, group_size, scale is not None, scales_column_major, scales_dtype,
                              quant_dtype)
+    if nvfp4:
+        group_size = _checks.NVFP4_BLOCK
     h_dtype = input.dtype if residual is None else residual_out_dtype(input, residual, residual_in_fp32)
-    codes = input.new_empty(input.shape, dtype=quant_dtype)
+    codes = input.new_empty(_checks.codes_shape(input.shape, quant_dtype), dtype=quant_dtype)
     if group_size > 0:
         groups = normalized_shape[0] // group_size
         if scales_column_major:
@@ -264,10 +268,14 @@ def _fake_quant_into(
     stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual, rms=_is_rms(op))
     _checks.check_weight_offset(op, weight, weight_offset)
     _checks.check_quant(op, input, out.dtype, scale, scale_ub, dtype_of_out=True)
+    nvfp4 = out.dtype == _checks.NVFP4
+    if nvfp4 and group_size == 0:
+        group_size = _checks.NVFP4_BLOCK
     mx = group_size > 0 and scales is not None and scales.dtype == torch.float8_e8m0fnu
-    scales_dtype = torch.float8_e8m0fnu if mx else torch.float32
+    scales_dtype = torch.float8_e8m0fnu if mx else (torch.float8_e4m3fn if nvfp4 else torch.float32)
     _checks.check_group_size(op, normalized_shape, group_size, scale is not None, False, scales_dtype, out.dtype)
-    _checks.check_destination(op, "out", input, out, len(normalized_shape), out.dtype)
+    _checks.check_destination(op, "out", input, out, len(normalized_shape), out.dtype,
+                              _checks.codes_shape(input.shape, out.dtype))
     if group_size > 0:
         _checks.check_group_scales_buffer(op, input, scales, (*stat_shape, normalized_shape[0] // group_size),
                                           scales_dtype)

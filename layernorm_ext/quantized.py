@@ -1,4 +1,5 @@
-"""Quantized output: LayerNorm / RMSNorm (and their fused residual variants) written as float8_e4m3fn, float8_e5m2 or int8.
+"""Quantized output: LayerNorm / RMSNorm (and their fused residual variants) written as float8_e4m3fn, float8_e5m2,
+int8 or NVFP4 (float4_e2m1fn_x2 with float8_e4m3fn block scales).
 
 The engines' ``rms_norm_static_fp8_quant`` / ``fused_add_rms_norm_static_fp8_quant`` (a static scale) and
 ``rms_norm_dynamic_per_token_quant`` (a scale per row, from the row's absmax, computed in the same pass), for
@@ -45,6 +46,16 @@ and the codes are ``y / 2^e`` saturated to the codes' range (the group's largest
 rule rounds the exponent down). The scales are in the plain rows x groups layout (row-major or column-major), not
 the swizzled tile layout of the Blackwell scaled matmuls.
 
+NVFP4 (``quant_dtype=torch.float4_e2m1fn_x2``, ``scale=`` the float32 global scale, required; vLLM's
+``ref_nvfp4_quant`` bit for bit, the two levels of TransformerEngine / FlashInfer / vLLM's ``scaled_fp4_quant``):
+blocks of 16 consecutive elements (``group_size`` 16 or left 0), each with the float8_e4m3fn scale
+``s = e4m3(global_scale * (absmax / 6))`` (float32 operations, ``absmax * (1/6)``; saturating at 448), and the
+codes ``e2m1(y * (1 / (float(s) * (1 / global_scale))))`` (a zero reciprocal where its argument is 0), float4_e2m1
+rounded to nearest even and saturated at 6, two per byte (the even element in the low nibble), so the codes are
+shaped ``[..., N / 2]`` and the scales ``[..., N / 16]`` (row-major, or column-major on request; not the swizzled
+tile layout). A NaN block gets the NaN scale and codes +6 (e2m1 has no NaN). ``e2m1 value * s / global_scale``
+dequantizes; N must be a multiple of 16.
+
 ``codes.float() * scale`` dequantizes (the dynamic scales are shaped as the rows with a 1 for each normalized
 dim, so they broadcast). They store no statistics and, like the other inference ops, refuse arguments that
 require grad while grad mode is on.
@@ -68,9 +79,9 @@ from .functional import ShapeLike, _as_shape
 _ops = torch.ops.layernorm_ext
 
 _ARGS_DOC = """
-    ``quant_dtype``: torch.float8_e4m3fn, torch.float8_e5m2 or torch.int8; by default out's dtype with ``out=``, else
-    torch.float8_e4m3fn. ``scale``: a float32 tensor of one element
-    on the input's device, the static scale; without it each row gets its own scale, capped by ``scale_ub`` (a
+    ``quant_dtype``: torch.float8_e4m3fn, torch.float8_e5m2, torch.int8 or torch.float4_e2m1fn_x2; by default
+    out's dtype with ``out=``, else torch.float8_e4m3fn. ``scale``: a float32 tensor of one element on the input's
+    device, the static scale; without it each row gets its own scale, capped by ``scale_ub`` (a
     float32 tensor of one element) when given. ``weight_offset`` / ``cast_before_weight`` as in
     :func:`layernorm_ext.layer_norm`. ``group_size`` (> 0, dividing the row's elements; a 1-D normalized_shape,
     dynamic scales only): a scale per group of ``group_size`` consecutive elements of a row instead of one per row
@@ -78,7 +89,9 @@ _ARGS_DOC = """
     them transposed (each group's scales of all rows contiguous: vLLM's ``is_scale_transposed``); with
     ``scales=`` the buffer may be either layout. ``scales_dtype=torch.float8_e8m0fnu`` (with ``scales=``: a buffer
     of that dtype) makes them MX block scales, powers of two (OCP MX; MXFP8 is ``group_size=32`` with float8_e4m3fn
-    codes). The scales are not checked for being positive and finite (on CUDA that
+    codes). ``quant_dtype=torch.float4_e2m1fn_x2`` (NVFP4, CPU only so far): ``scale`` is then the float32 global
+    scale (required), and the returned scales the float8_e4m3fn scales of the blocks of 16 elements (see the
+    module's doc). The scales are not checked for being positive and finite (on CUDA that
     would cost a host sync). ``out=`` / ``scales=`` / ``residual_out=``: write into these buffers instead (see the
     module's doc).
 """
@@ -97,6 +110,11 @@ def _new_scales_only(op: str, out: Tensor | None, scales_column_major: bool, sca
         _fail(op, "scales_column_major lays out new scales; with out= the scales= buffer's own layout is written")
     if out is not None and scales_dtype is not None:
         _fail(op, "scales_dtype is new scales' dtype; with out= the scales= buffer's own dtype is written")
+
+
+def _returned_scales(scale: Tensor | None, scales: Tensor, quant_dtype: torch.dtype) -> Tensor:
+    """The static scale given, else the computed scales (NVFP4: the block scales; its scale is the global one)."""
+    return scale if scale is not None and quant_dtype != torch.float4_e2m1fn_x2 else scales
 
 
 def _quant_dtype(op: str, quant_dtype: torch.dtype | None, out: Tensor | None) -> torch.dtype:
@@ -133,7 +151,7 @@ def _layer_norm_quant(
             input, shape, weight, bias, eps, quant_dtype, scale, scale_ub, residual, residual_in_fp32, weight_offset,
             cast_before_weight, group_size, scales_column_major, scales_dtype,
         )  # fmt: skip
-    return codes, scale if scale is not None else scales, residual_out  # type: ignore[return-value]
+    return codes, _returned_scales(scale, scales, quant_dtype), residual_out  # type: ignore[return-value]
 
 
 def _rms_norm_quant(
@@ -159,7 +177,7 @@ def _rms_norm_quant(
             input, shape, weight, eps, quant_dtype, scale, scale_ub, residual, residual_in_fp32, weight_offset,
             cast_before_weight, group_size, scales_column_major, scales_dtype,
         )  # fmt: skip
-    return codes, scale if scale is not None else scales, residual_out  # type: ignore[return-value]
+    return codes, _returned_scales(scale, scales, quant_dtype), residual_out  # type: ignore[return-value]
 
 
 def layer_norm_quant(

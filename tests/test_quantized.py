@@ -388,7 +388,8 @@ def _bad_calls() -> list:
     x, w = torch.randn(3, 8), torch.randn(8)
     return [
         pytest.param(lambda: L.rms_norm_quant(x, 8, w, quant_dtype=torch.float16),
-                     "expected quant_dtype to be torch.float8_e4m3fn, torch.float8_e5m2 or torch.int8, but got Half",
+                     "expected quant_dtype to be torch.float8_e4m3fn, torch.float8_e5m2, torch.int8 or "
+                     "torch.float4_e2m1fn_x2, but got Half",
                      id="dtype"),
         pytest.param(lambda: L.rms_norm_quant(x, 8, w, quant_dtype=torch.float8_e4m3fnuz),
                      "but got Float8_e4m3fnuz", id="e4m3fnuz"),
@@ -529,8 +530,8 @@ def _bad_into_calls() -> list:
     codes = torch.empty(3, 8, dtype=FP8)
     return [
         pytest.param(lambda: L.rms_norm_quant(x, 8, w, out=torch.empty(3, 8), scales=torch.empty(3, 1)),
-                     "rms_norm_quant_into: expected out to be a torch.float8_e4m3fn, torch.float8_e5m2 or torch.int8 "
-                     "tensor \\(the codes\\), but got out of dtype Float", id="out-dtype"),
+                     "rms_norm_quant_into: expected out to be a torch.float8_e4m3fn, torch.float8_e5m2, torch.int8 or "
+                     "torch.float4_e2m1fn_x2 tensor \\(the codes\\), but got out of dtype Float", id="out-dtype"),
         pytest.param(lambda: L.rms_norm_quant(x, 8, w, out=torch.empty(3, 9, dtype=I8), scales=torch.empty(3, 1)),
                      r"expected out of shape \[3, 8\] and dtype Char, but got out of shape \[3, 9\]", id="out-shape"),
         pytest.param(lambda: L.rms_norm_quant(x, 8, w, out=codes),

@@ -346,6 +346,7 @@ void forward_with(const NormForwardParams& p, const RowKernels& k) {
   a.row_scales = p.row_scales;
   a.group_size = p.group_size;
   a.mx_scales = p.mx_scales;
+  a.nvfp4_scales = p.nvfp4_scales;
   a.scale_row_stride = p.scale_row_stride;
   a.scale_group_stride = p.scale_group_stride;
   a.row_buffer = nullptr;

@@ -39,8 +39,9 @@ struct ForwardRows {
   bool rms;
   bool cast_before_weight;
   // Quantized output (quant_math.h): each row is normalized into row_buffer (cols values of out's dtype, the
-  // calling thread's own) and then written to codes as int8, float8_e4m3fn or float8_e5m2 (quant_code), scaled by the
-  // static scale or, when scale is nullptr, by the row's dynamic scale, stored to row_scales.
+  // calling thread's own) and then written to codes as int8, float8_e4m3fn, float8_e5m2 (quant_code) or two
+  // float4_e2m1 per byte (NVFP4), scaled by the static scale or, when scale is nullptr, by the row's dynamic scale,
+  // stored to row_scales.
   void* codes;  // nullptr: out is written
   quant::Code quant_code;
   const float* scale;
@@ -48,6 +49,7 @@ struct ForwardRows {
   float* row_scales;
   int64_t group_size;  // > 0: a dynamic scale per group of columns (NormForwardParams)
   uint8_t* mx_scales;  // with group_size: float8_e8m0fnu scales instead of row_scales
+  uint8_t* nvfp4_scales;  // NVFP4: the blocks' float8_e4m3fn scales (scale is the global scale)
   int64_t scale_row_stride, scale_group_stride;
   void* row_buffer;
   RowLayout input_rows, residual_rows, residual_out_rows, out_rows;

@@ -97,7 +97,7 @@ typedef int32_t IntVec __attribute__((vector_size(kFloatLanes * 4)));
 inline BitsVec bits_of(FloatVec v) { return (BitsVec)v; }  // a vector cast keeps the bits
 inline FloatVec floats_of(BitsVec v) { return (FloatVec)v; }
 
-// quant::fp8_bits on vectors of floats.
+// quant::small_float_bits on vectors of floats.
 struct FloatLanes {
   using Floats = FloatVec;
   using Bits = BitsVec;
@@ -105,10 +105,21 @@ struct FloatLanes {
   static Floats floats(Bits b) { return floats_of(b); }
 };
 
-// quant::to_e4m3fn / to_e5m2 on every lane.
+// quant::to_e4m3fn / to_e5m2 / to_e2m1 on every lane (a byte per lane; e2m1 in its low nibble).
 template <class Format>
-inline CodeVec encode_fp8(FloatVec v) {
-  return __builtin_convertvector(quant::fp8_bits<Format, FloatLanes>(v), CodeVec);
+inline CodeVec encode_small_float(FloatVec v) {
+  return __builtin_convertvector(quant::small_float_bits<Format, FloatLanes>(v), CodeVec);
+}
+
+// Two float4 codes per byte (float4_e2m1fn_x2): lane 2i in the low nibble, lane 2i + 1 in the high one. Each pair
+// of lanes read as one little-endian 16-bit lane lo | hi << 8, which w | w >> 4 turns into lo | hi << 4 in its
+// low byte (the codes are below 16).
+typedef uint16_t CodePairVec __attribute__((vector_size(kFloatLanes)));
+typedef uint8_t PackedCodeVec __attribute__((vector_size(kFloatLanes / 2)));
+inline PackedCodeVec pack_nibbles(CodeVec c) {
+  CodePairVec pairs;
+  std::memcpy(&pairs, &c, sizeof(pairs));
+  return __builtin_convertvector(pairs | (pairs >> 4), PackedCodeVec);
 }
 
 // quant::to_int8 on every lane (as bytes).
@@ -121,10 +132,30 @@ inline CodeVec encode_int8(FloatVec v) {
   return __builtin_convertvector(__builtin_convertvector(rounded, IntVec), CodeVec);
 }
 
+// quant::nan_max over a vector's lanes (absolute values), halving it: log2(lanes) vector steps instead of a loop
+// over the lanes (per-group scales of 16 columns spent most of their time in that loop).
+template <int N>
+struct FloatsOf {
+  typedef float type __attribute__((vector_size(N * sizeof(float))));
+};
+template <int N>
+inline __attribute__((always_inline)) float nan_max_of_lanes(typename FloatsOf<N>::type v) {
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+    using Half = typename FloatsOf<N / 2>::type;
+    Half lo, hi;
+    std::memcpy(&lo, &v, sizeof(lo));
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+    return nan_max_of_lanes<N / 2>((hi > lo) | (hi != hi) ? hi : lo);  // NaN wins, as quant::nan_max
+  }
+}
+
 // The quantized output of one normalized row y (out's dtype Y): each range of it that shares a scale (the row,
 // or each group of group_size columns) gets its scale (static, or from its absmax, stored), then its codes, a
-// vector of floats at a time (a range's tail padded with zeros, which change no absmax).
-template <class Y, CodeVec (*kEncode)(FloatVec)>
+// vector of floats at a time (a range's tail padded with zeros, which change no absmax). kNibbles: two codes per
+// byte (NVFP4: its blocks of 16 hold whole vectors, of 4, 8 or 16 lanes).
+template <class Y, CodeVec (*kEncode)(FloatVec), bool kNibbles = false>
 inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64_t n) {
   constexpr int64_t L = kFloatLanes;
   auto floats_at = [&](int64_t j, int64_t count) -> FloatVec {  // y[j, j + count) as floats
@@ -144,11 +175,7 @@ inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64
       const FloatVec v = floats_of(bits_of(floats_at(j, min64(L, end - j))) & 0x7fffffffu);
       absmax = (v > absmax) | (v != v) ? v : absmax;  // NaN wins, as quant::nan_max
     }
-    float lanes[L];
-    std::memcpy(lanes, &absmax, sizeof(lanes));
-    float m = 0.0f;
-    for (int64_t i = 0; i < L; ++i) m = quant::nan_max(m, lanes[i]);
-    return m;
+    return nan_max_of_lanes<L>(absmax);
   };
   uint8_t* codes = static_cast<uint8_t*>(a.codes) + a.out_rows.offset(row);
   auto encode_range = [&](int64_t begin, int64_t end, quant::Scaling scaling) {
@@ -157,7 +184,12 @@ inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64
       auto encode = [&](int64_t j, int64_t count) {
         const FloatVec values = floats_at(j, count);
         const CodeVec c = kEncode(decltype(divide_tag)::value ? values / factor : values * factor);
-        std::memcpy(codes + j, &c, static_cast<size_t>(count));
+        if constexpr (kNibbles) {
+          const PackedCodeVec packed = pack_nibbles(c);
+          std::memcpy(codes + j / 2, &packed, static_cast<size_t>(count / 2));
+        } else {
+          std::memcpy(codes + j, &c, static_cast<size_t>(count));
+        }
       };
       int64_t j = begin;
       for (; j + L <= end; j += L) encode(j, L);
@@ -171,10 +203,16 @@ inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64
   };
   if (a.group_size > 0) {
     const int64_t first = row * a.scale_row_stride;
+    const float global_scale = a.nvfp4_scales != nullptr ? *a.scale : 0.0f;
+    const float inverse_global_scale = quant::reciprocal_or_zero(global_scale);
     for (int64_t group = 0, begin = 0; begin < n; ++group, begin += a.group_size) {
       const float absmax = absmax_of(begin, begin + a.group_size);
       quant::Scaling scaling;
-      if (a.mx_scales != nullptr) {
+      if (a.nvfp4_scales != nullptr) {
+        const uint8_t bits = quant::nvfp4_scale_bits(absmax, global_scale);
+        a.nvfp4_scales[first + group * a.scale_group_stride] = bits;
+        scaling = quant::nvfp4_scaling(bits, inverse_global_scale);
+      } else if (a.mx_scales != nullptr) {
         const uint8_t bits = quant::mx_scale_bits(quant::capped(absmax, a.scale_ub), a.quant_code);
         a.mx_scales[first + group * a.scale_group_stride] = bits;
         scaling = quant::mx_scaling(bits);
@@ -201,8 +239,9 @@ template <class Y>
 inline void quantize_row(const ForwardRows& a, int64_t row, const Y* y, int64_t n) {
   switch (a.quant_code) {
     case quant::Code::kInt8: return quantize_row_as<Y, &encode_int8>(a, row, y, n);
-    case quant::Code::kE5m2: return quantize_row_as<Y, &encode_fp8<quant::E5m2>>(a, row, y, n);
-    default: return quantize_row_as<Y, &encode_fp8<quant::E4m3fn>>(a, row, y, n);
+    case quant::Code::kE5m2: return quantize_row_as<Y, &encode_small_float<quant::E5m2>>(a, row, y, n);
+    case quant::Code::kE2m1: return quantize_row_as<Y, &encode_small_float<quant::E2m1>, true>(a, row, y, n);
+    default: return quantize_row_as<Y, &encode_small_float<quant::E4m3fn>>(a, row, y, n);
   }
 }
 
