@@ -19,6 +19,7 @@ import layernorm_ext as L
 from test_inference_ops import _args
 from test_inference_ops import _functional as _unquantized
 from test_quantized import _quantized, _same_bits
+from test_quantized_groups import refused_alike
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")
 
@@ -267,14 +268,7 @@ def _bad_calls() -> list:
 @pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
 @pytest.mark.parametrize(("call", "match"), _bad_calls())
 def test_bad_nvfp4_arguments_are_refused(call, match: str, fake: bool) -> None:
-    """The same error, worded the same, eager and while tracing with fake tensors (and a good call passes both)."""
-    context = FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.no_grad()
-    with context:
-        if not match:
-            call()
-            return
-        with pytest.raises(RuntimeError, match=match):
-            call()
+    refused_alike(call, match, fake)
 
 
 def test_fake_outputs_are_the_real_ones() -> None:
