@@ -61,9 +61,9 @@ def _warn_if_older_than_supported(version: str) -> None:
     oldest = tuple(int(part) for part in OLDEST_TORCH.split("."))
     if running < oldest:
         warnings.warn(
-            f"layernorm_ext supports torch {OLDEST_TORCH} and newer; torch {version} is running. Its own "
-            "F.rms_norm differs (eps=None is the input dtype's eps, a wider weight promotes the result), and "
-            "layernorm_ext's drop-ins do not follow it there.",
+            f"layernorm_ext supports torch {OLDEST_TORCH} and newer; torch {version} is running, on which the "
+            "library may not build (2.7 lacks float4_e2m1fn_x2) and whose own F.rms_norm may differ (2.6 and "
+            "before: eps=None is the input dtype's eps, a wider weight promotes the result).",
             stacklevel=3,
         )
 

@@ -1,5 +1,5 @@
-"""Every code block of README.md and docs/*.md: the ```python blocks run (a fresh interpreter per page, each
-block in a fresh namespace and reported at its own line), so the docs cannot drift from the code. A block that cannot run here (a GPU, a distributed launch) is preceded by
+"""Every code block of README.md and docs/*.md: the ```python blocks run (each in a fresh interpreter of its own,
+reported at its own line), so the docs cannot drift from the code. A block that cannot run here (a GPU, a distributed launch) is preceded by
 ``<!-- docs-test: skip (the reason) -->``; shell and text blocks (```bash, ```console, ```text) are not run
 (CI runs README's quick-start and wheel commands itself: .ci/run, .ci/wheel_check)."""
 
@@ -70,8 +70,8 @@ def all_blocks() -> list[Block]:
     return [block for path in doc_files() for block in parse_blocks(path.read_text(), str(path.relative_to(REPO)))]
 
 
-# One interpreter per page (importing torch costs seconds): each block runs in a fresh namespace, its outcome
-# recorded on its own; LAYERNORM_EXT_DOCS_ISOLATED=1 gives every block a process of its own instead.
+# Runs blocks in order in one interpreter, each in a fresh namespace, its outcome recorded on its own (the tests
+# give it one block: a process per block, so that no block leans on what another imported or set).
 PAGE_RUNNER = """
 import json, sys, traceback
 blocks, results = json.load(sys.stdin), []
@@ -105,16 +105,10 @@ def failure_message(block: Block, error: str) -> str:
     return f"{block.path}:{block.line}: the python block failed\n{error}"
 
 
-_page_results: dict[tuple[str, int], str | None] = {}
-
-
 def block_result(block: Block, tmp_path_factory: pytest.TempPathFactory) -> str | None:
-    if (block.path, block.line) not in _page_results:
-        isolated = os.environ.get("LAYERNORM_EXT_DOCS_ISOLATED") == "1"
-        group = [block] if isolated else [b for b in PYTHON_BLOCKS if b.path == block.path and b.skip_reason is None]
-        for member, result in zip(group, run_blocks(group, tmp_path_factory.mktemp("docs"))):
-            _page_results[(member.path, member.line)] = result
-    return _page_results[(block.path, block.line)]
+    """The block run in a fresh interpreter of its own, in an empty folder."""
+    (result,) = run_blocks([block], tmp_path_factory.mktemp("docs"))
+    return result
 
 
 BLOCKS = all_blocks()
