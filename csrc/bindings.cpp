@@ -71,18 +71,20 @@ static void define_schemas(torch::Library& m) {
   // layout); scales_dtype float8_e8m0fnu makes them MX block scales (powers of two, OCP MX: MXFP8 with
   // group_size 32), float32 otherwise (with scales=, the buffer's dtype). quant_dtype float4_e2m1fn_x2 is NVFP4:
   // scale is then its global scale (required), out [..., N / 2] (two codes per byte) and scales the float8_e4m3fn
-  // scales of the blocks of 16 columns ([..., N / 16]; group_size 16 or 0). residual_out is h with a residual ([0]
-  // without). No statistics, no autograd (inference ops).
+  // scales of the blocks of 16 columns ([..., N / 16]; group_size 16 or 0). scales_swizzled writes MXFP8 / NVFP4 block
+  // scales in the scaled matmuls' 128 x 4 tiles instead (torch's SWIZZLE_32_4_4: [rows padded to 128, blocks
+  // padded to 4], the padding zeros; the _into ops: a buffer of as many elements). residual_out is h with a
+  // residual ([0] without). No statistics, no autograd (inference ops).
   m.def(
       "layer_norm_quant(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
       "ScalarType quant_dtype, Tensor? scale=None, Tensor? scale_ub=None, Tensor? residual=None, "
       "bool residual_in_fp32=False, float weight_offset=0., bool cast_before_weight=False, int group_size=0, "
-      "bool scales_column_major=False, ScalarType? scales_dtype=None) -> (Tensor out, Tensor scales, Tensor residual_out)");
+      "bool scales_column_major=False, ScalarType? scales_dtype=None, bool scales_swizzled=False) -> (Tensor out, Tensor scales, Tensor residual_out)");
   m.def(
       "rms_norm_quant(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps, ScalarType quant_dtype, "
       "Tensor? scale=None, Tensor? scale_ub=None, Tensor? residual=None, bool residual_in_fp32=False, "
       "float weight_offset=0., bool cast_before_weight=False, int group_size=0, bool scales_column_major=False, "
-      "ScalarType? scales_dtype=None) -> (Tensor out, Tensor scales, Tensor residual_out)");
+      "ScalarType? scales_dtype=None, bool scales_swizzled=False) -> (Tensor out, Tensor scales, Tensor residual_out)");
   // The same into the caller's buffers (vLLM's out= convention): out holds the codes (its dtype is the quantized
   // one), scales the dynamic per-row scales (given exactly when scale is not), residual_out h (with a residual;
   // it may be residual itself: vLLM's fused add updates the residual in place).
@@ -90,12 +92,12 @@ static void define_schemas(torch::Library& m) {
       "layer_norm_quant_into(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
       "Tensor(a!) out, Tensor? scale=None, Tensor(b!)? scales=None, Tensor? scale_ub=None, Tensor? residual=None, "
       "Tensor(c!)? residual_out=None, bool residual_in_fp32=False, float weight_offset=0., "
-      "bool cast_before_weight=False, int group_size=0) -> ()");
+      "bool cast_before_weight=False, int group_size=0, bool scales_swizzled=False) -> ()");
   m.def(
       "rms_norm_quant_into(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps, Tensor(a!) out, "
       "Tensor? scale=None, Tensor(b!)? scales=None, Tensor? scale_ub=None, Tensor? residual=None, "
       "Tensor(c!)? residual_out=None, bool residual_in_fp32=False, float weight_offset=0., "
-      "bool cast_before_weight=False, int group_size=0) -> ()");
+      "bool cast_before_weight=False, int group_size=0, bool scales_swizzled=False) -> ()");
   // The functional API (layernorm_ext/functional.py): each the forward op above, returning only what the user
   // gets, which spares an eager call the statistics' Python objects (CompositeImplicitAutograd, in
   // norm_autograd.cpp: autograd, fake tensors, DTensor and autocast all act on the forward op).

@@ -81,10 +81,11 @@ struct DeviceOps {
                                                          bool residual_in_fp32, double weight_offset,
                                                          bool cast_before_weight, int64_t group_size,
                                                          bool scales_column_major,
-                                                         std::optional<ScalarType> scales_dtype) {
+                                                         std::optional<ScalarType> scales_dtype,
+                                                         bool scales_swizzled) {
     return layer_norm_quant(input, shape, weight, bias, eps, quant_dtype, scale, scale_ub, residual,
                             residual_in_fp32, weight_offset, cast_before_weight, group_size, scales_column_major,
-                            scales_dtype, kForward);
+                            scales_dtype, scales_swizzled, kForward);
   }
 
   static std::tuple<Tensor, Tensor, Tensor> rms_norm_q(const Tensor& input, c10::SymIntArrayRef shape,
@@ -94,27 +95,29 @@ struct DeviceOps {
                                                        bool residual_in_fp32, double weight_offset,
                                                        bool cast_before_weight, int64_t group_size,
                                                        bool scales_column_major,
-                                                       std::optional<ScalarType> scales_dtype) {
+                                                       std::optional<ScalarType> scales_dtype,
+                                                       bool scales_swizzled) {
     return rms_norm_quant(input, shape, weight, eps, quant_dtype, scale, scale_ub, residual, residual_in_fp32,
-                          weight_offset, cast_before_weight, group_size, scales_column_major, scales_dtype, kForward);
+                          weight_offset, cast_before_weight, group_size, scales_column_major, scales_dtype,
+                          scales_swizzled, kForward);
   }
 
   static void layer_norm_q_into(const Tensor& input, c10::SymIntArrayRef shape, const OptTensor& weight,
                                 const OptTensor& bias, double eps, const Tensor& out, const OptTensor& scale,
                                 const OptTensor& scales, const OptTensor& scale_ub, const OptTensor& residual,
                                 const OptTensor& residual_out, bool residual_in_fp32, double weight_offset,
-                                bool cast_before_weight, int64_t group_size) {
+                                bool cast_before_weight, int64_t group_size, bool scales_swizzled) {
     layer_norm_quant_into(input, shape, weight, bias, eps, out, scale, scales, scale_ub, residual, residual_out,
-                          residual_in_fp32, weight_offset, cast_before_weight, group_size, kForward);
+                          residual_in_fp32, weight_offset, cast_before_weight, group_size, scales_swizzled, kForward);
   }
 
   static void rms_norm_q_into(const Tensor& input, c10::SymIntArrayRef shape, const OptTensor& weight,
                               std::optional<double> eps, const Tensor& out, const OptTensor& scale,
                               const OptTensor& scales, const OptTensor& scale_ub, const OptTensor& residual,
                               const OptTensor& residual_out, bool residual_in_fp32, double weight_offset,
-                              bool cast_before_weight, int64_t group_size) {
+                              bool cast_before_weight, int64_t group_size, bool scales_swizzled) {
     rms_norm_quant_into(input, shape, weight, eps, out, scale, scales, scale_ub, residual, residual_out,
-                        residual_in_fp32, weight_offset, cast_before_weight, group_size, kForward);
+                        residual_in_fp32, weight_offset, cast_before_weight, group_size, scales_swizzled, kForward);
   }
 
   static void register_to(torch::Library& m) {

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/SymIntArrayRef.h>
 
+#include <array>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -63,8 +64,17 @@ void check_scales_buffer(const char* op, const Tensor& input, bool static_scale,
 // scales_dtype: float32, or float8_e8m0fnu (MX block scales: with a group_size and float8 codes). NVFP4 codes
 // (float4_e2m1fn_x2): group_size 16 or 0 (meaning 16), float8_e4m3fn scales, a 1-D normalized_shape of a multiple
 // of 16 elements, scale= its global scale.
+// scales_swizzled (the scaled matmuls' 128 x 4 tiles): MXFP8 (float8_e8m0fnu, group_size 32) or NVFP4 block
+// scales, not with scales_column_major.
 void check_group_size(const char* op, at::IntArrayRef normalized_shape, int64_t group_size, bool static_scale,
-                      bool scales_column_major, ScalarType scales_dtype, ScalarType quant_dtype);
+                      bool scales_column_major, bool scales_swizzled, ScalarType scales_dtype,
+                      ScalarType quant_dtype);
+// Swizzled block scales (quant::swizzled_scale_index): [rows padded to 128, groups padded to 4].
+std::array<int64_t, 2> swizzled_scales_shape(int64_t rows, int64_t groups);
+// A scales= buffer for them: of scales_dtype, contiguous, of the padded matrix's element count (any shape, as
+// torch._scaled_mm takes them: [padded rows, padded groups] or flat).
+void check_swizzled_scales_buffer(const char* op, const Tensor& input, const OptTensor& scales, int64_t rows,
+                                  int64_t groups, ScalarType scales_dtype);
 // Where a scales= buffer of per-group scales (rows x groups, dims as scale_shape) puts row r's group g:
 // r * row_stride + g * group_stride. Row-major (contiguous) or column-major (each group's rows contiguous, the
 // groups any stride apart: vLLM's transposed scales, padded rows included); anything else is refused.
@@ -144,7 +154,8 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_quant(const Tensor& input, c10::Sy
                                                     bool residual_in_fp32, double weight_offset,
                                                     bool cast_before_weight, int64_t group_size,
                                                     bool scales_column_major,
-                                                    std::optional<ScalarType> scales_dtype, ForwardLauncher launch);
+                                                    std::optional<ScalarType> scales_dtype, bool scales_swizzled,
+                                                    ForwardLauncher launch);
 std::tuple<Tensor, Tensor, Tensor> rms_norm_quant(const Tensor& input, c10::SymIntArrayRef normalized_shape,
                                                   const OptTensor& weight, std::optional<double> eps,
                                                   ScalarType quant_dtype, const OptTensor& scale,
@@ -152,19 +163,21 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_quant(const Tensor& input, c10::SymI
                                                   bool residual_in_fp32, double weight_offset,
                                                   bool cast_before_weight, int64_t group_size,
                                                   bool scales_column_major,
-                                                    std::optional<ScalarType> scales_dtype, ForwardLauncher launch);
+                                                  std::optional<ScalarType> scales_dtype, bool scales_swizzled,
+                                                  ForwardLauncher launch);
 // The same into the caller's buffers: out (the codes: its dtype, float8_e4m3fn, float8_e5m2 or int8, is the quantized dtype),
 // scales (dynamic scale only), residual_out (with a residual; it may be residual itself: h in place).
 void layer_norm_quant_into(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                           const OptTensor& bias, double eps, const Tensor& out, const OptTensor& scale,
                           const OptTensor& scales, const OptTensor& scale_ub, const OptTensor& residual,
                           const OptTensor& residual_out, bool residual_in_fp32, double weight_offset,
-                          bool cast_before_weight, int64_t group_size, ForwardLauncher launch);
+                          bool cast_before_weight, int64_t group_size, bool scales_swizzled,
+                          ForwardLauncher launch);
 void rms_norm_quant_into(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                          std::optional<double> eps, const Tensor& out, const OptTensor& scale, const OptTensor& scales,
                          const OptTensor& scale_ub, const OptTensor& residual, const OptTensor& residual_out,
                          bool residual_in_fp32, double weight_offset, bool cast_before_weight,
-                         int64_t group_size, ForwardLauncher launch);
+                         int64_t group_size, bool scales_swizzled, ForwardLauncher launch);
 std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& grad_out, const Tensor& saved, const Tensor& rstd,
                                         c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                                         bool saved_is_output, const OptTensor& grad_residual_out,

@@ -234,7 +234,10 @@ void check_scales_buffer(const char* op, const Tensor& input, bool static_scale,
 }
 
 void check_group_size(const char* op, at::IntArrayRef normalized_shape, int64_t group_size, bool static_scale,
-                      bool scales_column_major, ScalarType scales_dtype, ScalarType quant_dtype) {
+                      bool scales_column_major, bool scales_swizzled, ScalarType scales_dtype,
+                      ScalarType quant_dtype) {
+  TORCH_CHECK(!(scales_swizzled && scales_column_major), op,
+              ": scales_swizzled and scales_column_major are two layouts of the scales; give one of them");
   if (quant_dtype == ScalarType::Float4_e2m1fn_x2) {
     TORCH_CHECK(group_size == 0 || group_size == quant::kNvfp4Block, op, ": NVFP4 codes (float4_e2m1fn_x2) have "
                 "blocks of 16 elements (group_size 16, or 0), but got group_size=", group_size);
@@ -256,6 +259,10 @@ void check_group_size(const char* op, at::IntArrayRef normalized_shape, int64_t 
     TORCH_CHECK(quant_dtype != ScalarType::Char, op,
                 ": MX block scales (float8_e8m0fnu) go with float8 codes, but got codes of dtype ", quant_dtype);
   }
+  TORCH_CHECK(!scales_swizzled || (scales_dtype == ScalarType::Float8_e8m0fnu && group_size == 32), op,
+              ": scales_swizzled lays out the block scales of MXFP8 (float8_e8m0fnu scales, group_size 32) and NVFP4 "
+              "in the scaled matmuls' 128 x 4 tiles, but got group_size=", group_size, " and scales of dtype ",
+              scales_dtype);
   if (group_size == 0) {
     TORCH_CHECK(!scales_column_major, op, ": scales_column_major lays out per-group scales, so it needs a group_size");
     return;
@@ -268,13 +275,39 @@ void check_group_size(const char* op, at::IntArrayRef normalized_shape, int64_t 
               " normalized elements of a row, but got group_size=", group_size);
 }
 
-GroupScalesLayout check_group_scales_buffer(const char* op, const Tensor& input, const OptTensor& scales,
-                                            at::IntArrayRef scale_shape, ScalarType scales_dtype) {
+namespace {
+
+void require_group_scales_buffer(const char* op, const OptTensor& scales, at::IntArrayRef shape,
+                                 ScalarType scales_dtype) {
   TORCH_CHECK(scales.has_value(), op,
               scales_dtype == ScalarType::Float8_e4m3fn
                   ? ": NVFP4 codes need a scales= buffer for their blocks' float8_e4m3fn scales of shape "
                   : ": a dynamic scale (no scale=) needs a scales= buffer for the per-group scales of shape ",
-              scale_shape);
+              shape);
+}
+
+}  // namespace
+
+std::array<int64_t, 2> swizzled_scales_shape(int64_t rows, int64_t groups) {
+  return {quant::swizzled_scale_rows(rows), quant::swizzled_scale_blocks(groups)};
+}
+
+void check_swizzled_scales_buffer(const char* op, const Tensor& input, const OptTensor& scales, int64_t rows,
+                                  int64_t groups, ScalarType scales_dtype) {
+  const std::array<int64_t, 2> shape = swizzled_scales_shape(rows, groups);
+  require_group_scales_buffer(op, scales, shape, scales_dtype);
+  check_same_device(op, "scales", input, *scales);
+  const int64_t numel = shape[0] * shape[1];
+  TORCH_CHECK(scales->scalar_type() == scales_dtype && scales->numel() == numel && scales->is_contiguous(), op,
+              ": expected swizzled scales (the ", rows, " rows x ", groups, " blocks padded to whole 128 x 4 tiles) "
+              "to be a contiguous ", scales_dtype, " tensor of ", numel, " elements (shape ", at::IntArrayRef(shape),
+              ", or any of as many), but got scales of shape ", scales->sizes(), ", strides ", scales->strides(),
+              " and dtype ", scales->scalar_type());
+}
+
+GroupScalesLayout check_group_scales_buffer(const char* op, const Tensor& input, const OptTensor& scales,
+                                            at::IntArrayRef scale_shape, ScalarType scales_dtype) {
+  require_group_scales_buffer(op, scales, scale_shape, scales_dtype);
   check_destination_shape(op, "scales", input, *scales, scales_dtype, scale_shape);
   const int64_t groups = scale_shape.back();
   const int64_t rows = c10::multiply_integers(scale_shape.begin(), scale_shape.end() - 1);

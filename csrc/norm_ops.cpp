@@ -121,6 +121,7 @@ struct QuantRequest {
   int64_t group_size = 0;            // > 0: a dynamic scale per group of columns
   bool scales_column_major = false;  // (new scales, per group) each group's scales of all rows contiguous
   std::optional<ScalarType> scales_dtype;  // (new scales) float32 (default) or float8_e8m0fnu (MX, per group)
+  bool scales_swizzled = false;  // MX / NVFP4 block scales in the scaled matmuls' 128 x 4 tiles
 };
 
 // Where a forward writes: new tensors with the statistics (the ops autograd saves from), or the caller's
@@ -167,7 +168,7 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
       scales_dtype = ScalarType::Float8_e4m3fn;
     }
     check_group_size(op, normalized_shape, group_size, quant->scale.has_value(), quant->scales_column_major,
-                     scales_dtype, quant->dtype);
+                     quant->scales_swizzled, scales_dtype, quant->dtype);
     TORCH_CHECK_NOT_IMPLEMENTED(group_size == 0 || input_arg.is_cpu(), op,
                                 nvfp4 ? ": NVFP4 codes (float4_e2m1fn_x2)" : ": group_size (per-group scales)",
                                 " has a CPU kernel only so far, but got an input on ", input_arg.device());
@@ -192,7 +193,9 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     const char* out_name = dest.in_place ? "input" : "out";
     check_destination(op, out_name, input_arg, *dest.out, normalized_ndim,
                       quant != nullptr ? quant->dtype : input_arg.scalar_type(), codes_shape);
-    if (group_size > 0) {
+    if (quant != nullptr && quant->scales_swizzled) {
+      check_swizzled_scales_buffer(op, input_arg, quant->scales_out, g.rows, g.cols / group_size, scales_dtype);
+    } else if (group_size > 0) {
       group_layout = check_group_scales_buffer(op, input_arg, quant->scales_out, scale_shape, scales_dtype);
     } else if (quant != nullptr) {
       check_scales_buffer(op, input_arg, quant->scale.has_value(), quant->scales_out, scale_shape);
@@ -270,7 +273,9 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     r.out = at::empty(codes_shape, input.options().dtype(quant->dtype));
     r.residual_out = residual.has_value() ? at::empty(input.sizes(), input.options().dtype(h_type))
                                           : placeholder(input, input.scalar_type());
-    if (group_size > 0 && quant->scales_column_major) {
+    if (quant->scales_swizzled) {
+      r.scales = at::empty(swizzled_scales_shape(g.rows, g.cols / group_size), input.options().dtype(scales_dtype));
+    } else if (group_size > 0 && quant->scales_column_major) {
       std::vector<int64_t> groups_first{scale_shape.back()};
       groups_first.insert(groups_first.end(), scale_shape.begin(), scale_shape.end() - 1);
       r.scales = at::empty(groups_first, input.options().dtype(scales_dtype)).movedim(0, -1);
@@ -346,6 +351,14 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     p.group_size = group_size;
     p.scale_row_stride = group_layout.row_stride;
     p.scale_group_stride = group_layout.group_stride;
+    p.scales_swizzled = quant->scales_swizzled;
+    if (quant->scales_swizzled && g.rows % quant::kSwizzleTileRows != 0) {
+      // The last band of tiles holds the padding rows (the kernel writes each row's padding blocks): zeros, as
+      // torch's to_blocked pads. The band is the scales' last bytes (the tiles are stored band by band).
+      const int64_t band = quant::kSwizzleTileRows * quant::swizzled_scale_blocks(g.cols / group_size);
+      const int64_t numel = r.scales.numel();
+      r.scales.view({numel}).narrow(0, numel - band, band).zero_();
+    }
   }
   launch(p);
   if (out_rows.has_value()) out_rows->copy_back();
@@ -581,8 +594,10 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_quant(const Tensor& input, c10::Sy
                                                     bool residual_in_fp32, double weight_offset,
                                                     bool cast_before_weight, int64_t group_size,
                                                     bool scales_column_major,
-                                                    std::optional<ScalarType> scales_dtype, ForwardLauncher launch) {
-  const QuantRequest quant{quant_dtype, scale, scale_ub, std::nullopt, group_size, scales_column_major, scales_dtype};
+                                                    std::optional<ScalarType> scales_dtype, bool scales_swizzled,
+                                                    ForwardLauncher launch) {
+  const QuantRequest quant{quant_dtype,         scale,        scale_ub,       std::nullopt, group_size,
+                           scales_column_major, scales_dtype, scales_swizzled};
   Destination dest;
   dest.quant = &quant;
   ForwardResult r = norm_forward("layer_norm_quant", input, normalized_shape, weight, bias, eps, residual,
@@ -597,8 +612,10 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_quant(const Tensor& input, c10::SymI
                                                   bool residual_in_fp32, double weight_offset,
                                                   bool cast_before_weight, int64_t group_size,
                                                   bool scales_column_major,
-                                                    std::optional<ScalarType> scales_dtype, ForwardLauncher launch) {
-  const QuantRequest quant{quant_dtype, scale, scale_ub, std::nullopt, group_size, scales_column_major, scales_dtype};
+                                                  std::optional<ScalarType> scales_dtype, bool scales_swizzled,
+                                                  ForwardLauncher launch) {
+  const QuantRequest quant{quant_dtype,         scale,        scale_ub,       std::nullopt, group_size,
+                           scales_column_major, scales_dtype, scales_swizzled};
   Destination dest;
   dest.quant = &quant;
   ForwardResult r = norm_forward("rms_norm_quant", input, normalized_shape, weight, std::nullopt, eps, residual,
@@ -610,8 +627,9 @@ void layer_norm_quant_into(const Tensor& input, c10::SymIntArrayRef normalized_s
                           const OptTensor& bias, double eps, const Tensor& out, const OptTensor& scale,
                           const OptTensor& scales, const OptTensor& scale_ub, const OptTensor& residual,
                           const OptTensor& residual_out, bool residual_in_fp32, double weight_offset,
-                          bool cast_before_weight, int64_t group_size, ForwardLauncher launch) {
-  const QuantRequest quant{out.scalar_type(), scale, scale_ub, scales, group_size};
+                          bool cast_before_weight, int64_t group_size, bool scales_swizzled,
+                          ForwardLauncher launch) {
+  const QuantRequest quant{out.scalar_type(), scale, scale_ub, scales, group_size, false, std::nullopt, scales_swizzled};
   Destination dest{out, residual_out};
   dest.quant = &quant;
   norm_forward("layer_norm_quant_into", input, normalized_shape, weight, bias, eps, residual, residual_in_fp32,
@@ -622,8 +640,8 @@ void rms_norm_quant_into(const Tensor& input, c10::SymIntArrayRef normalized_sha
                          std::optional<double> eps, const Tensor& out, const OptTensor& scale, const OptTensor& scales,
                          const OptTensor& scale_ub, const OptTensor& residual, const OptTensor& residual_out,
                          bool residual_in_fp32, double weight_offset, bool cast_before_weight,
-                         int64_t group_size, ForwardLauncher launch) {
-  const QuantRequest quant{out.scalar_type(), scale, scale_ub, scales, group_size};
+                         int64_t group_size, bool scales_swizzled, ForwardLauncher launch) {
+  const QuantRequest quant{out.scalar_type(), scale, scale_ub, scales, group_size, false, std::nullopt, scales_swizzled};
   Destination dest{out, residual_out};
   dest.quant = &quant;
   norm_forward("rms_norm_quant_into", input, normalized_shape, weight, std::nullopt, eps, residual,

@@ -68,6 +68,10 @@ struct NormForwardParams {
   uint8_t* nvfp4_scales = nullptr;
   int64_t scale_row_stride = 1;
   int64_t scale_group_stride = 0;
+  // MX / NVFP4 block scales in the scaled matmuls' 128 x 4 tiles (quant::swizzled_scale_index) instead of the
+  // strides; the padding of the tiles' last band of rows is zeroed before the launch, each row's padding blocks by
+  // the kernel.
+  bool scales_swizzled = false;
   RowLayout input_rows, residual_rows, out_rows, residual_out_rows;  // out_rows: out's, or codes'
 };
 

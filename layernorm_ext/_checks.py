@@ -157,9 +157,11 @@ def check_quant(
 
 def check_group_size(
     op: str, normalized_shape: Sequence[int], group_size: int, static_scale: bool, scales_column_major: bool,
-    scales_dtype: torch.dtype, quant_dtype: torch.dtype,
+    scales_swizzled: bool, scales_dtype: torch.dtype, quant_dtype: torch.dtype,
 ) -> None:
     """check_group_size."""
+    if scales_swizzled and scales_column_major:
+        _fail(op, "scales_swizzled and scales_column_major are two layouts of the scales; give one of them")
     if quant_dtype == NVFP4:
         if group_size not in (0, NVFP4_BLOCK):
             _fail(op, f"NVFP4 codes (float4_e2m1fn_x2) have blocks of 16 elements (group_size 16, or 0), but got "
@@ -184,6 +186,10 @@ def check_group_size(
         if quant_dtype == torch.int8:
             _fail(op, f"MX block scales (float8_e8m0fnu) go with float8 codes, but got codes of dtype "
                       f"{_name(quant_dtype)}")
+    if scales_swizzled and not (scales_dtype == torch.float8_e8m0fnu and group_size == 32):
+        _fail(op, "scales_swizzled lays out the block scales of MXFP8 (float8_e8m0fnu scales, group_size 32) and NVFP4 "
+                  f"in the scaled matmuls' 128 x 4 tiles, but got group_size={group_size} and scales of dtype "
+                  f"{_name(scales_dtype)}")
     if group_size == 0:
         if scales_column_major:
             _fail(op, "scales_column_major lays out per-group scales, so it needs a group_size")
@@ -198,16 +204,47 @@ def check_group_size(
                   f"group_size={group_size}")
 
 
+def _require_group_scales_buffer(
+    op: str, scales: Tensor | None, shape: Sequence[object], scales_dtype: torch.dtype
+) -> Tensor:
+    if scales is None:
+        if scales_dtype == torch.float8_e4m3fn:
+            _fail(op, "NVFP4 codes need a scales= buffer for their blocks' float8_e4m3fn scales of shape "
+                      f"{_sizes(shape)}")
+        _fail(op, "a dynamic scale (no scale=) needs a scales= buffer for the per-group scales of shape "
+                  f"{_sizes(shape)}")
+    return scales  # type: ignore[return-value]
+
+
+def _round_up(n: object, multiple: int) -> object:
+    return (n + multiple - 1) // multiple * multiple  # type: ignore[operator]
+
+
+def swizzled_scales_shape(rows: object, groups: object) -> list[object]:
+    """swizzled_scales_shape: [rows padded to 128, groups padded to 4] (the scaled matmuls' 128 x 4 tiles)."""
+    return [_round_up(rows, 128), _round_up(groups, 4)]
+
+
+def check_swizzled_scales_buffer(
+    op: str, input: Tensor, scales: Tensor | None, rows: object, groups: object, scales_dtype: torch.dtype
+) -> None:
+    """check_swizzled_scales_buffer: of scales_dtype, contiguous, as many elements as the padded tiles (any shape)."""
+    shape = swizzled_scales_shape(rows, groups)
+    scales = _require_group_scales_buffer(op, scales, shape, scales_dtype)
+    _check_same_device(op, "scales", input, scales)
+    numel = shape[0] * shape[1]  # type: ignore[operator]
+    if scales.dtype != scales_dtype or scales.numel() != numel or not scales.is_contiguous():
+        _fail(op, f"expected swizzled scales (the {rows} rows x {groups} blocks padded to whole 128 x 4 tiles) to be "
+                  f"a contiguous {_name(scales_dtype)} tensor of {numel} elements (shape {_sizes(shape)}, or any of "
+                  f"as many), but got scales of shape {_sizes(scales.shape)}, strides {_sizes(scales.stride())} "
+                  f"and dtype {_name(scales.dtype)}")
+
+
 def check_group_scales_buffer(
     op: str, input: Tensor, scales: Tensor | None, scale_shape: Sequence[int], scales_dtype: torch.dtype
 ) -> None:
     """check_group_scales_buffer: row-major or column-major (each group's scales of all rows contiguous)."""
-    if scales is None:
-        if scales_dtype == torch.float8_e4m3fn:
-            _fail(op, "NVFP4 codes need a scales= buffer for their blocks' float8_e4m3fn scales of shape "
-                      f"{_sizes(scale_shape)}")
-        _fail(op, "a dynamic scale (no scale=) needs a scales= buffer for the per-group scales of shape "
-                  f"{_sizes(scale_shape)}")
+    scales = _require_group_scales_buffer(op, scales, scale_shape, scales_dtype)
     _check_destination_shape(op, "scales", input, scales, scales_dtype, scale_shape)
     groups, rows = scale_shape[-1], math.prod(scale_shape[:-1])
     if scales.is_contiguous() or groups == 0 or rows == 0:

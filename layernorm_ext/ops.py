@@ -7,6 +7,7 @@ compiled graphs have no breaks, and registers their sharding strategies (layerno
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -203,7 +204,7 @@ def _fake_quant(
     op: str, input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
     quant_dtype: torch.dtype, scale: Tensor | None, scale_ub: Tensor | None, residual: Tensor | None,
     residual_in_fp32: bool, weight_offset: float, group_size: int, scales_column_major: bool,
-    scales_dtype: torch.dtype | None,
+    scales_dtype: torch.dtype | None, scales_swizzled: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual, rms=_is_rms(op))
     _checks.check_weight_offset(op, weight, weight_offset)
@@ -211,15 +212,17 @@ def _fake_quant(
     nvfp4 = quant_dtype == _checks.NVFP4
     if scales_dtype is None:
         scales_dtype = torch.float8_e4m3fn if nvfp4 else torch.float32
-    _checks.check_group_size(op, normalized_shape, group_size, scale is not None, scales_column_major, scales_dtype,
-                             quant_dtype)
+    _checks.check_group_size(op, normalized_shape, group_size, scale is not None, scales_column_major,
+                             scales_swizzled, scales_dtype, quant_dtype)
     if nvfp4:
         group_size = _checks.NVFP4_BLOCK
     h_dtype = input.dtype if residual is None else residual_out_dtype(input, residual, residual_in_fp32)
     codes = input.new_empty(_checks.codes_shape(input.shape, quant_dtype), dtype=quant_dtype)
     if group_size > 0:
         groups = normalized_shape[0] // group_size
-        if scales_column_major:
+        if scales_swizzled:
+            scales = input.new_empty(_checks.swizzled_scales_shape(math.prod(stat_shape), groups), dtype=scales_dtype)
+        elif scales_column_major:
             scales = input.new_empty((groups, *stat_shape), dtype=scales_dtype).movedim(0, -1)
         else:
             scales = input.new_empty((*stat_shape, groups), dtype=scales_dtype)
@@ -236,11 +239,11 @@ def _layer_norm_quant_fake(
     quant_dtype: torch.dtype, scale: Tensor | None = None, scale_ub: Tensor | None = None,
     residual: Tensor | None = None, residual_in_fp32: bool = False, weight_offset: float = 0.0,
     cast_before_weight: bool = False, group_size: int = 0, scales_column_major: bool = False,
-    scales_dtype: torch.dtype | None = None,
+    scales_dtype: torch.dtype | None = None, scales_swizzled: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return _fake_quant("layer_norm_quant", input, normalized_shape, weight, bias, quant_dtype, scale, scale_ub,
                        residual, residual_in_fp32, weight_offset, group_size, scales_column_major,
-                       scales_dtype)  # fmt: skip
+                       scales_dtype, scales_swizzled)  # fmt: skip
 
 
 @torch.library.register_fake("layernorm_ext::rms_norm_quant")
@@ -249,11 +252,11 @@ def _rms_norm_quant_fake(
     quant_dtype: torch.dtype, scale: Tensor | None = None, scale_ub: Tensor | None = None,
     residual: Tensor | None = None, residual_in_fp32: bool = False, weight_offset: float = 0.0,
     cast_before_weight: bool = False, group_size: int = 0, scales_column_major: bool = False,
-    scales_dtype: torch.dtype | None = None,
+    scales_dtype: torch.dtype | None = None, scales_swizzled: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return _fake_quant("rms_norm_quant", input, normalized_shape, weight, None, quant_dtype, scale, scale_ub,
                        residual, residual_in_fp32, weight_offset, group_size, scales_column_major,
-                       scales_dtype)  # fmt: skip
+                       scales_dtype, scales_swizzled)  # fmt: skip
 
 
 # The quantized ops into the caller's buffers (out: the codes; scales: the dynamic scales; residual_out: h, which
@@ -263,7 +266,7 @@ def _rms_norm_quant_fake(
 def _fake_quant_into(
     op: str, input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
     out: Tensor, scale: Tensor | None, scales: Tensor | None, scale_ub: Tensor | None, residual: Tensor | None,
-    residual_out: Tensor | None, residual_in_fp32: bool, weight_offset: float, group_size: int,
+    residual_out: Tensor | None, residual_in_fp32: bool, weight_offset: float, group_size: int, scales_swizzled: bool,
 ) -> None:
     stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual, rms=_is_rms(op))
     _checks.check_weight_offset(op, weight, weight_offset)
@@ -273,10 +276,14 @@ def _fake_quant_into(
         group_size = _checks.NVFP4_BLOCK
     mx = group_size > 0 and scales is not None and scales.dtype == torch.float8_e8m0fnu
     scales_dtype = torch.float8_e8m0fnu if mx else (torch.float8_e4m3fn if nvfp4 else torch.float32)
-    _checks.check_group_size(op, normalized_shape, group_size, scale is not None, False, scales_dtype, out.dtype)
+    _checks.check_group_size(op, normalized_shape, group_size, scale is not None, False, scales_swizzled,
+                             scales_dtype, out.dtype)
     _checks.check_destination(op, "out", input, out, len(normalized_shape), out.dtype,
                               _checks.codes_shape(input.shape, out.dtype))
-    if group_size > 0:
+    if scales_swizzled:
+        groups = normalized_shape[0] // group_size
+        _checks.check_swizzled_scales_buffer(op, input, scales, math.prod(stat_shape), groups, scales_dtype)
+    elif group_size > 0:
         _checks.check_group_scales_buffer(op, input, scales, (*stat_shape, normalized_shape[0] // group_size),
                                           scales_dtype)
     else:
@@ -295,10 +302,10 @@ def _layer_norm_quant_into_fake(
     input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None, eps: float,
     out: Tensor, scale: Tensor | None = None, scales: Tensor | None = None, scale_ub: Tensor | None = None,
     residual: Tensor | None = None, residual_out: Tensor | None = None, residual_in_fp32: bool = False,
-    weight_offset: float = 0.0, cast_before_weight: bool = False, group_size: int = 0,
+    weight_offset: float = 0.0, cast_before_weight: bool = False, group_size: int = 0, scales_swizzled: bool = False,
 ) -> None:
     _fake_quant_into("layer_norm_quant_into", input, normalized_shape, weight, bias, out, scale, scales, scale_ub,
-                     residual, residual_out, residual_in_fp32, weight_offset, group_size)  # fmt: skip
+                     residual, residual_out, residual_in_fp32, weight_offset, group_size, scales_swizzled)  # fmt: skip
 
 
 @torch.library.register_fake("layernorm_ext::rms_norm_quant_into")
@@ -306,10 +313,10 @@ def _rms_norm_quant_into_fake(
     input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, eps: float | None, out: Tensor,
     scale: Tensor | None = None, scales: Tensor | None = None, scale_ub: Tensor | None = None,
     residual: Tensor | None = None, residual_out: Tensor | None = None, residual_in_fp32: bool = False,
-    weight_offset: float = 0.0, cast_before_weight: bool = False, group_size: int = 0,
+    weight_offset: float = 0.0, cast_before_weight: bool = False, group_size: int = 0, scales_swizzled: bool = False,
 ) -> None:
     _fake_quant_into("rms_norm_quant_into", input, normalized_shape, weight, None, out, scale, scales, scale_ub,
-                     residual, residual_out, residual_in_fp32, weight_offset, group_size)  # fmt: skip
+                     residual, residual_out, residual_in_fp32, weight_offset, group_size, scales_swizzled)  # fmt: skip
 
 
 # DTensor sharding strategies (layernorm_ext/sharding.py), registered once torch.distributed.tensor is loaded.

@@ -43,8 +43,8 @@ MX block scales (``scales_dtype=torch.float8_e8m0fnu``; OCP Microscaling Formats
 ``group_size=32``): each group's scale is the power of two ``2^e``, ``e = floor(log2(absmax)) - emax`` (8 for
 float8_e4m3fn codes, 15 for float8_e5m2), clamped to [-127, 127] (a zero group: ``2^-127``; a NaN: the NaN scale),
 and the codes are ``y / 2^e`` saturated to the codes' range (the group's largest values may saturate: the OCP
-rule rounds the exponent down). The scales are in the plain rows x groups layout (row-major or column-major), not
-the swizzled tile layout of the Blackwell scaled matmuls.
+rule rounds the exponent down). The scales are in the plain rows x groups layout (row-major or column-major), or
+swizzled (below).
 
 NVFP4 (``quant_dtype=torch.float4_e2m1fn_x2``, ``scale=`` the float32 global scale, required; vLLM's
 ``ref_nvfp4_quant`` bit for bit, the two levels of TransformerEngine / FlashInfer / vLLM's ``scaled_fp4_quant``):
@@ -52,9 +52,18 @@ blocks of 16 consecutive elements (``group_size`` 16 or left 0), each with the f
 ``s = e4m3(global_scale * (absmax / 6))`` (float32 operations, ``absmax * (1/6)``; saturating at 448), and the
 codes ``e2m1(y * (1 / (float(s) * (1 / global_scale))))`` (a zero reciprocal where its argument is 0), float4_e2m1
 rounded to nearest even and saturated at 6, two per byte (the even element in the low nibble), so the codes are
-shaped ``[..., N / 2]`` and the scales ``[..., N / 16]`` (row-major, or column-major on request; not the swizzled
-tile layout). A NaN block gets the NaN scale and codes +6 (e2m1 has no NaN). ``e2m1 value * s / global_scale``
-dequantizes; N must be a multiple of 16.
+shaped ``[..., N / 2]`` and the scales ``[..., N / 16]`` (row-major, column-major or swizzled on request). A NaN
+block gets the NaN scale and codes +6 (e2m1 has no NaN). ``e2m1 value * s / global_scale`` dequantizes; N must be
+a multiple of 16.
+
+Swizzled block scales (``scales_swizzled=True``; MXFP8, ``group_size=32`` with float8_e8m0fnu scales, and NVFP4):
+the layout the Blackwell scaled matmuls read (``torch._scaled_mm``; cuBLAS's 1D block scaling factors layout,
+torch's ``SwizzleType.SWIZZLE_32_4_4``, torch's ``to_blocked``): the rows x blocks scales padded with zeros to rows a
+multiple of 128 and blocks a multiple of 4, cut into 128 x 4 tiles stored band of 128 rows by band, left to right,
+each tile as 32 x 16 (row ``r``, block ``c`` of a tile at ``(r % 32) * 16 + (r // 32) * 4 + c``), shaped
+``[padded rows, padded blocks]`` (the rows of every leading dim together). The kernel writes each scale at its
+place (csrc/quant_math.h swizzled_scale_index), padding included; a ``scales=`` buffer may have any shape of as many
+elements, contiguous. The codes are unchanged.
 
 ``codes.float() * scale`` dequantizes (the dynamic scales are shaped as the rows with a 1 for each normalized
 dim, so they broadcast). They store no statistics and, like the other inference ops, refuse arguments that
@@ -91,7 +100,10 @@ _ARGS_DOC = """
     of that dtype) makes them MX block scales, powers of two (OCP MX; MXFP8 is ``group_size=32`` with float8_e4m3fn
     codes). ``quant_dtype=torch.float4_e2m1fn_x2`` (NVFP4, CPU only so far): ``scale`` is then the float32 global
     scale (required), and the returned scales the float8_e4m3fn scales of the blocks of 16 elements (see the
-    module's doc). The scales are not checked for being positive and finite (on CUDA that
+    module's doc). ``scales_swizzled`` (MXFP8: ``group_size=32`` with float8_e8m0fnu scales, or NVFP4) writes the
+    block scales in the 128 x 4 tiles the scaled matmuls read (torch's ``SwizzleType.SWIZZLE_32_4_4``), shaped
+    ``[rows rounded up to 128, blocks rounded up to 4]`` with zero padding; with ``scales=``, a contiguous buffer of
+    that many elements (any shape, e.g. flat). The scales are not checked for being positive and finite (on CUDA that
     would cost a host sync). ``out=`` / ``scales=`` / ``residual_out=``: write into these buffers instead (see the
     module's doc).
 """
@@ -133,7 +145,7 @@ def _layer_norm_quant(
     eps: float, residual: Tensor | None, residual_in_fp32: bool, quant_dtype: torch.dtype | None, scale: Tensor | None,
     scale_ub: Tensor | None, weight_offset: float, cast_before_weight: bool, out: Tensor | None,
     scales: Tensor | None, residual_out: Tensor | None, group_size: int, scales_column_major: bool,
-    scales_dtype: torch.dtype | None,
+    scales_dtype: torch.dtype | None, scales_swizzled: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The one call of every LayerNorm function: into the buffers (out=) or allocating; (codes, scale, h)."""
     _into_only(op_name, out, scales=scales, residual_out=residual_out)
@@ -143,13 +155,13 @@ def _layer_norm_quant(
     if out is not None:
         _ops.layer_norm_quant_into.default(
             input, shape, weight, bias, eps, out, scale, scales, scale_ub, residual, residual_out, residual_in_fp32,
-            weight_offset, cast_before_weight, group_size,
+            weight_offset, cast_before_weight, group_size, scales_swizzled,
         )  # fmt: skip
         codes = out
     else:
         codes, scales, residual_out = _ops.layer_norm_quant.default(
             input, shape, weight, bias, eps, quant_dtype, scale, scale_ub, residual, residual_in_fp32, weight_offset,
-            cast_before_weight, group_size, scales_column_major, scales_dtype,
+            cast_before_weight, group_size, scales_column_major, scales_dtype, scales_swizzled,
         )  # fmt: skip
     return codes, _returned_scales(scale, scales, quant_dtype), residual_out  # type: ignore[return-value]
 
@@ -159,7 +171,7 @@ def _rms_norm_quant(
     residual: Tensor | None, residual_in_fp32: bool, quant_dtype: torch.dtype | None, scale: Tensor | None,
     scale_ub: Tensor | None, weight_offset: float, cast_before_weight: bool, out: Tensor | None,
     scales: Tensor | None, residual_out: Tensor | None, group_size: int, scales_column_major: bool,
-    scales_dtype: torch.dtype | None,
+    scales_dtype: torch.dtype | None, scales_swizzled: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The one call of every RMSNorm function (see _layer_norm_quant)."""
     _into_only(op_name, out, scales=scales, residual_out=residual_out)
@@ -169,13 +181,13 @@ def _rms_norm_quant(
     if out is not None:
         _ops.rms_norm_quant_into.default(
             input, shape, weight, eps, out, scale, scales, scale_ub, residual, residual_out, residual_in_fp32,
-            weight_offset, cast_before_weight, group_size,
+            weight_offset, cast_before_weight, group_size, scales_swizzled,
         )  # fmt: skip
         codes = out
     else:
         codes, scales, residual_out = _ops.rms_norm_quant.default(
             input, shape, weight, eps, quant_dtype, scale, scale_ub, residual, residual_in_fp32, weight_offset,
-            cast_before_weight, group_size, scales_column_major, scales_dtype,
+            cast_before_weight, group_size, scales_column_major, scales_dtype, scales_swizzled,
         )  # fmt: skip
     return codes, _returned_scales(scale, scales, quant_dtype), residual_out  # type: ignore[return-value]
 
@@ -195,6 +207,7 @@ def layer_norm_quant(
     group_size: int = 0,
     scales_column_major: bool = False,
     scales_dtype: torch.dtype | None = None,
+    scales_swizzled: bool = False,
     out: Tensor | None = None,
     scales: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -203,7 +216,7 @@ def layer_norm_quant(
     codes, scale_out, _ = _layer_norm_quant(
         "layer_norm_quant", input, normalized_shape, weight, bias, eps, None, False, quant_dtype, scale, scale_ub,
         weight_offset, cast_before_weight, out, scales, None, group_size, scales_column_major,
-        scales_dtype,
+        scales_dtype, scales_swizzled,
     )  # fmt: skip
     return codes, scale_out
 
@@ -222,6 +235,7 @@ def rms_norm_quant(
     group_size: int = 0,
     scales_column_major: bool = False,
     scales_dtype: torch.dtype | None = None,
+    scales_swizzled: bool = False,
     out: Tensor | None = None,
     scales: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -230,7 +244,7 @@ def rms_norm_quant(
     codes, scale_out, _ = _rms_norm_quant(
         "rms_norm_quant", input, normalized_shape, weight, eps, None, False, quant_dtype, scale, scale_ub,
         weight_offset, cast_before_weight, out, scales, None, group_size, scales_column_major,
-        scales_dtype,
+        scales_dtype, scales_swizzled,
     )  # fmt: skip
     return codes, scale_out
 
@@ -252,6 +266,7 @@ def add_layer_norm_quant(
     group_size: int = 0,
     scales_column_major: bool = False,
     scales_dtype: torch.dtype | None = None,
+    scales_swizzled: bool = False,
     out: Tensor | None = None,
     scales: Tensor | None = None,
     residual_out: Tensor | None = None,
@@ -261,7 +276,7 @@ def add_layer_norm_quant(
     return _layer_norm_quant(
         "layer_norm_quant", input, normalized_shape, weight, bias, eps, residual, residual_in_fp32, quant_dtype,
         scale, scale_ub, weight_offset, cast_before_weight, out, scales, residual_out, group_size,
-        scales_column_major, scales_dtype,
+        scales_column_major, scales_dtype, scales_swizzled,
     )  # fmt: skip
 
 
@@ -281,6 +296,7 @@ def add_rms_norm_quant(
     group_size: int = 0,
     scales_column_major: bool = False,
     scales_dtype: torch.dtype | None = None,
+    scales_swizzled: bool = False,
     out: Tensor | None = None,
     scales: Tensor | None = None,
     residual_out: Tensor | None = None,
@@ -291,7 +307,7 @@ def add_rms_norm_quant(
     return _rms_norm_quant(
         "rms_norm_quant", input, normalized_shape, weight, eps, residual, residual_in_fp32, quant_dtype, scale,
         scale_ub, weight_offset, cast_before_weight, out, scales, residual_out, group_size,
-        scales_column_major, scales_dtype,
+        scales_column_major, scales_dtype, scales_swizzled,
     )  # fmt: skip
 
 

@@ -173,11 +173,18 @@ def _add_rms_norm(
 # The quantized-output ops (inference only: no autograd, so they always reach DTensor whole). The codes, the
 # dynamic per-row scales (shaped as the rows, with a 1 for each normalized dim) and residual_out keep the rows'
 # placement; a static scale and scale_ub stay replicated, and so does a [0] placeholder output.
+def _quant_placements(input: Any, normalized_shape: Sequence[int], scales_swizzled: bool) -> list[Any]:
+    """The rows' placements; swizzled scales (tiles of 128 rows, shaped [padded rows, padded blocks]) only whole."""
+    from torch.distributed.tensor import Replicate
+
+    return [Replicate()] if scales_swizzled else _placements(input, normalized_shape)
+
+
 def _layer_norm_quant(
     input: Any, normalized_shape: Sequence[int], weight: Any, bias: Any, eps: float, quant_dtype: Any,
     scale: Any = None, scale_ub: Any = None, residual: Any = None, residual_in_fp32: bool = False,
     weight_offset: float = 0.0, cast_before_weight: bool = False, group_size: int = 0,
-    scales_column_major: bool = False, scales_dtype: Any = None,
+    scales_column_major: bool = False, scales_dtype: Any = None, scales_swizzled: bool = False,
 ) -> Strategies:
     from torch.distributed.tensor import Replicate
 
@@ -185,7 +192,7 @@ def _layer_norm_quant(
         ([place, place if scale is None else Replicate(), place if residual is not None else Replicate()],
          [place, None, _given(weight, Replicate()), _given(bias, Replicate()), None, None, _given(scale, Replicate()),
           _given(scale_ub, Replicate()), _given(residual, place)])
-        for place in _placements(input, normalized_shape)
+        for place in _quant_placements(input, normalized_shape, scales_swizzled)
     ]  # fmt: skip
 
 
@@ -193,7 +200,7 @@ def _rms_norm_quant(
     input: Any, normalized_shape: Sequence[int], weight: Any, eps: float | None, quant_dtype: Any,
     scale: Any = None, scale_ub: Any = None, residual: Any = None, residual_in_fp32: bool = False,
     weight_offset: float = 0.0, cast_before_weight: bool = False, group_size: int = 0,
-    scales_column_major: bool = False, scales_dtype: Any = None,
+    scales_column_major: bool = False, scales_dtype: Any = None, scales_swizzled: bool = False,
 ) -> Strategies:
     from torch.distributed.tensor import Replicate
 
@@ -201,7 +208,7 @@ def _rms_norm_quant(
         ([place, place if scale is None else Replicate(), place if residual is not None else Replicate()],
          [place, None, _given(weight, Replicate()), None, None, _given(scale, Replicate()),
           _given(scale_ub, Replicate()), _given(residual, place)])
-        for place in _placements(input, normalized_shape)
+        for place in _quant_placements(input, normalized_shape, scales_swizzled)
     ]  # fmt: skip
 
 

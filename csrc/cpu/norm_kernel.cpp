@@ -349,6 +349,7 @@ void forward_with(const NormForwardParams& p, const RowKernels& k) {
   a.nvfp4_scales = p.nvfp4_scales;
   a.scale_row_stride = p.scale_row_stride;
   a.scale_group_stride = p.scale_group_stride;
+  a.scales_swizzled = p.scales_swizzled;
   a.row_buffer = nullptr;
   a.input_rows = p.input_rows;
   a.residual_rows = p.residual_rows;

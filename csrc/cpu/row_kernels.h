@@ -51,6 +51,7 @@ struct ForwardRows {
   uint8_t* mx_scales;  // with group_size: float8_e8m0fnu scales instead of row_scales
   uint8_t* nvfp4_scales;  // NVFP4: the blocks' float8_e4m3fn scales (scale is the global scale)
   int64_t scale_row_stride, scale_group_stride;
+  bool scales_swizzled;  // (NormForwardParams)
   void* row_buffer;
   RowLayout input_rows, residual_rows, residual_out_rows, out_rows;
 };

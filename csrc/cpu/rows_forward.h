@@ -203,6 +203,10 @@ inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64
   };
   if (a.group_size > 0) {
     const int64_t first = row * a.scale_row_stride;
+    const int64_t groups = n / a.group_size;
+    auto scale_index = [&](int64_t group) {  // of the row's group: strided, or swizzled (MX / NVFP4 only)
+      return a.scales_swizzled ? quant::swizzled_scale_index(row, group, groups) : first + group * a.scale_group_stride;
+    };
     const float global_scale = a.nvfp4_scales != nullptr ? *a.scale : 0.0f;
     const float inverse_global_scale = quant::reciprocal_or_zero(global_scale);
     for (int64_t group = 0, begin = 0; begin < n; ++group, begin += a.group_size) {
@@ -210,18 +214,24 @@ inline void quantize_row_as(const ForwardRows& a, int64_t row, const Y* y, int64
       quant::Scaling scaling;
       if (a.nvfp4_scales != nullptr) {
         const uint8_t bits = quant::nvfp4_scale_bits(absmax, global_scale);
-        a.nvfp4_scales[first + group * a.scale_group_stride] = bits;
+        a.nvfp4_scales[scale_index(group)] = bits;
         scaling = quant::nvfp4_scaling(bits, inverse_global_scale);
       } else if (a.mx_scales != nullptr) {
         const uint8_t bits = quant::mx_scale_bits(quant::capped(absmax, a.scale_ub), a.quant_code);
-        a.mx_scales[first + group * a.scale_group_stride] = bits;
+        a.mx_scales[scale_index(group)] = bits;
         scaling = quant::mx_scaling(bits);
       } else {
         const float scale = quant::dynamic_scale(absmax, a.scale_ub, a.quant_code);
-        a.row_scales[first + group * a.scale_group_stride] = scale;
+        a.row_scales[scale_index(group)] = scale;
         scaling = quant::group_scaling(scale);
       }
       encode_range(begin, begin + a.group_size, scaling);
+    }
+    if (a.scales_swizzled) {  // the row's padding blocks of its last tile: zeros, as torch's to_blocked pads
+      uint8_t* block_scales = a.nvfp4_scales != nullptr ? a.nvfp4_scales : a.mx_scales;
+      for (int64_t group = groups; group < quant::swizzled_scale_blocks(groups); ++group) {
+        block_scales[scale_index(group)] = 0;
+      }
     }
     return;
   }
