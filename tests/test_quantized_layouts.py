@@ -187,6 +187,19 @@ def test_swizzled_quant_compiles_fullgraph(backend: str) -> None:
         assert torch.equal(g, e) and g.shape == e.shape, name
 
 
+def test_dtensor_keeps_swizzled_scales_whole() -> None:
+    """The DTensor strategies: rows sharded on a leading dim for the plain scales, replicated only for the swizzled
+    ones (a shard's band of 128 rows would not be the whole tensor's)."""
+    dtensor = pytest.importorskip("torch.distributed.tensor")
+    from layernorm_ext import sharding
+
+    x, mx = torch.empty(4, 3, 64), {"group_size": 32, "scales_dtype": E8M0}
+    plain = sharding._rms_norm_quant(x, [64], None, None, FP8, **mx)
+    swizzled = sharding._layer_norm_quant(x, [64], None, None, 1e-5, FP8, **mx, scales_swizzled=True)
+    assert [outputs[0] for outputs, _ in plain] == [dtensor.Replicate(), dtensor.Shard(0), dtensor.Shard(1)]
+    assert [outputs[1] for outputs, _ in swizzled] == [dtensor.Replicate()]
+
+
 # ---- torch._scaled_mm (its CPU kernels take neither format in torch 2.13: a Blackwell GPU only) ----------------
 def _blackwell() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (10, 0)
