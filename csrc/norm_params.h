@@ -69,6 +69,10 @@ struct NormForwardParams {
   int64_t scale_row_stride = 1;
   int64_t scale_group_stride = 0;
   RowLayout input_rows, residual_rows, out_rows, residual_out_rows;  // out_rows: out's, or codes'
+  // > 0: channels-first rows (CPU only, no residual, no quantized output; norm_ops.cpp, column_plane): input and
+  // out are a dense [rows / plane images][cols][plane] block each, row r being pixel r % plane of image r / plane,
+  // its elements plane apart; the row layouts are unused.
+  int64_t plane = 0;
 };
 
 // One backward call. saved is h (saved_is_output = false) or the forward's out (true, the memory-efficient
@@ -96,6 +100,7 @@ struct NormBackwardParams {
   bool saved_is_output = false;
   double weight_offset = 0.0;  // the forward's: the scale is weight + weight_offset (its gradient, dweight's)
   RowLayout grad_out_rows, saved_rows, grad_residual_rows;
+  int64_t plane = 0;  // > 0: channels-first rows, as the forward's; grad_out, saved and grad_input all so, no grad_residual_out
 };
 
 }  // namespace layernorm_ext
