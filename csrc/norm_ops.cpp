@@ -279,7 +279,8 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   // in place, and out has the input's strides (NCHW memory for layer_norm_2d's view of an NCHW tensor).
   const int64_t plane =
       given || quant != nullptr || residual_arg.has_value() ? 0 : column_plane(input_arg, normalized_ndim);
-  const ReadRows input_rows = plane > 0 ? ReadRows{input_arg, RowLayout{}} : read_rows(input_arg, normalized_ndim, g.cols);
+  const ReadRows input_rows =
+      plane > 0 ? ReadRows{input_arg, RowLayout{}} : read_rows(input_arg, normalized_ndim, g.cols);
   const Tensor& input = input_rows.rows;
   const OptTensor weight = as_kernel_param(weight_arg, input.scalar_type());
   const OptTensor bias = as_kernel_param(bias_arg, input.scalar_type());

@@ -100,7 +100,8 @@ struct NormBackwardParams {
   bool saved_is_output = false;
   double weight_offset = 0.0;  // the forward's: the scale is weight + weight_offset (its gradient, dweight's)
   RowLayout grad_out_rows, saved_rows, grad_residual_rows;
-  int64_t plane = 0;  // > 0: channels-first rows, as the forward's; grad_out, saved and grad_input all so, no grad_residual_out
+  // > 0: channels-first rows, as the forward's: grad_out, saved and grad_input all so; no grad_residual_out.
+  int64_t plane = 0;
 };
 
 }  // namespace layernorm_ext

@@ -190,6 +190,36 @@ def test_parameter_gradients_do_not_depend_on_threads() -> None:
         assert torch.equal(a, b_)
 
 
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm_2d", "rms_norm_2d"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e20, 3e38], ids=str)
+def test_nonfinite_and_huge_values_as_the_rows(value: float, rms: bool) -> None:
+    """A non-finite element poisons its pixel only; a pixel of values ~1e20 (float squares overflow: the
+    statistics again in double) is normalized as the row kernels do it (channels_last input)."""
+    x, w, b, _ = _inputs((2, 96, 5, 7), F32, F32, True, rms, seed=8)
+    x[0, 3, 2, 4] = value
+    x[1, :, 1, 1] *= 1e20
+    nchw = _ours(x, w, b, rms)
+    rows = _ours(x.contiguous(memory_format=torch.channels_last), w, b, rms)
+    torch.testing.assert_close(nchw, rows, equal_nan=True)
+    bad = ~nchw.isfinite()
+    assert bad.sum() == bad[0, :, 2, 4].sum()  # the poisoned pixel only
+
+
+def test_numerics_options() -> None:
+    """weight_offset (the scale is weight + offset) and cast_before_weight (xhat rounded first) reach the kernel."""
+    x, w, b, grad = _inputs((2, 96, 9, 37), BF16, BF16, True, False, seed=9)
+    offset = _run(lambda *a: L.layer_norm_2d(*a, EPS, weight_offset=1.0), [x, w, b], grad)
+    shifted = _run(lambda t, w_, b_: L.layer_norm_2d(t, w_.float() + 1.0, b_.float(), EPS), [x, w, b], grad)
+    for o, s_ in zip(offset, shifted):
+        torch.testing.assert_close(o, s_.to(o.dtype), rtol=0, atol=0)
+    with torch.no_grad():
+        cast = L.layer_norm_2d(x, w, b, EPS, cast_before_weight=True)
+        rows = L.layer_norm_2d(x.contiguous(memory_format=torch.channels_last), w, b, EPS, cast_before_weight=True)
+        xhat = _back(F.layer_norm(_rows(x).double(), (96,), eps=EPS)).to(BF16).double()
+        reference = xhat * w.double()[:, None, None] + b.double()[:, None, None]
+    assert_no_worse_than_aten(cast, rows, reference, "cast_before_weight")
+
+
 def test_double_backward() -> None:
     torch.manual_seed(0)
     x = torch.randn(2, 7, 3, 5, dtype=F64, requires_grad=True)

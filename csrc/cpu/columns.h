@@ -210,7 +210,9 @@ void backward_columns_as(const BackwardRows& a, int64_t plane, int64_t image, in
     for (int64_t i = 0; i < count; ++i) {
       const int64_t row = image * plane + p + i;
       rstd[i] = BackwardRow<S, G, Q>::stat(a.rstd, a.stats_double, row);
-      if (!a.rms && !saved_is_output) center[i] = static_cast<Q>(BackwardRow<S, G, Q>::stat(a.mean, a.stats_double, row));
+      if (!a.rms && !saved_is_output) {
+        center[i] = static_cast<Q>(BackwardRow<S, G, Q>::stat(a.mean, a.stats_double, row));
+      }
     }
     const Vec<Q> center_v = vec_of(center);
     // d = saved - the stored mean, or (memory-efficient) xhat itself; g = dy * weight.
