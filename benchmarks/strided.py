@@ -1,6 +1,8 @@
 """Strided rows (issue 24): QK-norm on views of a fused qkv projection and LayerNorm2d on channels_last input,
-ours in place against the copy paths (ATen on the view, ours after .contiguous(), timm's permute + layer_norm).
-CPU, one thread, the median of --repeats timings of one call, no grad.
+ours in place against the copy paths (ATen on the view, ours after .contiguous(), timm's permute + layer_norm);
+then LayerNorm2d on contiguous NCHW input, forward (no grad) and forward + backward: ours in place (the CPU's
+channels-first kernels) against ours on a channels_last copy (what the op did before them) and timm's path.
+CPU, one thread, the median of --repeats timings of one call.
 
     python benchmarks/strided.py [--repeats 30]
 """
@@ -65,6 +67,36 @@ def main() -> None:
             ]
         print(f"| LayerNorm2d channels_last [{n}, {c}, {h}, {wd}] | {dtype} | "
               + " | ".join(f"{t:.0f}" for t in row) + " |")  # fmt: skip
+
+    nchw(args.repeats)
+
+
+def nchw(repeats: int) -> None:
+    print()
+    print("| LayerNorm2d, NCHW input | dtype | pass | ours, in place (us) | ours on a channels_last copy (us) "
+          "| timm: permute + ATen (us) | copy / in place | timm / in place |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for shape in ((8, 96, 56, 56), (1, 256, 64, 64)):
+        c = shape[1]
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(shape, dtype=dtype)
+            weight, bias = torch.randn(c, dtype=dtype), torch.randn(c, dtype=dtype)
+            grad = torch.randn(shape, dtype=dtype)
+            norms: list[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = [
+                lambda t, w, b: L.layer_norm_2d(t, w, b),
+                lambda t, w, b: L.layer_norm_2d(t.contiguous(memory_format=torch.channels_last), w, b),
+                lambda t, w, b: F.layer_norm(t.permute(0, 2, 3, 1), (c,), w, b, 1e-6).permute(0, 3, 1, 2),
+            ]
+            leaves = [t.detach().requires_grad_() for t in (x, weight, bias)]
+            for name in ("forward", "forward + backward"):
+                if name == "forward":
+                    with torch.no_grad():
+                        times = [median_us(lambda norm=norm: norm(x, weight, bias), repeats) for norm in norms]
+                else:
+                    times = [median_us(lambda norm=norm: torch.autograd.grad(norm(*leaves), leaves, grad), repeats)
+                             for norm in norms]  # fmt: skip
+                cells = [f"{t:.0f}" for t in times] + [f"{times[1] / times[0]:.2f}", f"{times[2] / times[0]:.2f}"]
+                print(f"| {list(shape)} | {dtype} | {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

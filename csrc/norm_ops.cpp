@@ -47,11 +47,45 @@ std::optional<RowLayout> row_layout(const Tensor& t, int64_t normalized_ndim, in
   return RowLayout{kept_sizes[0], kept_strides[0], kept_strides[1]};
 }
 
+// Channels-first rows, which the CPU's columns kernels (csrc/cpu/columns.h) read in place: t is [leading...,
+// cols] over a dense [images][cols][plane] block of memory, (N, *spatial, C) as layer_norm_2d permutes a contiguous
+// (N, C, *spatial) tensor. That is: one normalized dim, of cols > 1 elements and stride plane; the innermost
+// leading dims of more than one element coalesce into the plane (pixels, stride 1, plane > 1 of them); the rest
+// into the images, stride cols * plane. Returns plane, or 0 for any other layout (those with packed rows go to the
+// row kernels; the rest are copied: a slice of the channels, a strided plane, normalized_shape of two dims or more).
+// layernorm_ext/ops.py (_column_plane) mirrors it for the fake kernels' strides.
+int64_t column_plane(const Tensor& t, int64_t normalized_ndim) {
+  if (normalized_ndim != 1 || t.dim() < 2 || !t.is_cpu()) return 0;
+  const at::IntArrayRef sizes = t.sizes(), strides = t.strides();
+  const int64_t cols = sizes.back();
+  int64_t expected = 1, plane = 0;  // the next dim's stride if it continues the pixels (then the images)
+  for (int64_t d = t.dim() - 2; d >= 0; --d) {
+    if (sizes[d] == 1) continue;
+    if (strides[d] != expected) {
+      if (plane != 0 || expected == 1) return 0;
+      plane = expected;  // the pixels end here; the images start at cols * plane
+      expected *= cols;
+      if (strides[d] != expected) return 0;
+    }
+    expected *= sizes[d];
+  }
+  if (plane == 0) plane = expected;  // no image dims (N = 1)
+  return cols > 1 && plane > 1 && strides.back() == plane ? plane : 0;
+}
+
 // An operand's rows for the kernels: the tensor itself where its layout allows, else a contiguous copy.
 struct ReadRows {
   Tensor rows;
   RowLayout layout;
 };
+
+// t with the memory layout of like (same sizes): itself if it has it (dims of one element aside), else a copy.
+Tensor in_layout_of(const Tensor& t, const Tensor& like) {
+  bool same = true;
+  for (int64_t d = 0; d < t.dim(); ++d) same = same && (t.size(d) == 1 || t.stride(d) == like.stride(d));
+  if (same) return t;
+  return at::empty_strided(like.sizes(), like.strides(), t.options()).copy_(t);
+}
 
 ReadRows read_rows(const Tensor& t, int64_t normalized_ndim, int64_t cols) {
   if (const std::optional<RowLayout> layout = row_layout(t, normalized_ndim, cols)) return {t, *layout};
@@ -244,7 +278,12 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
       }
     }
   }
-  const ReadRows input_rows = read_rows(input_arg, normalized_ndim, g.cols);
+  // Channels-first rows (column_plane) in a forward into new tensors without a residual or quantized output: read
+  // in place, and out has the input's strides (NCHW memory for layer_norm_2d's view of an NCHW tensor).
+  const int64_t plane =
+      given || quant != nullptr || residual_arg.has_value() ? 0 : column_plane(input_arg, normalized_ndim);
+  const ReadRows input_rows =
+      plane > 0 ? ReadRows{input_arg, RowLayout{}} : read_rows(input_arg, normalized_ndim, g.cols);
   const Tensor& input = input_rows.rows;
   const OptTensor weight = as_kernel_param(weight_arg, input.scalar_type());
   const OptTensor bias = as_kernel_param(bias_arg, input.scalar_type());
@@ -286,7 +325,8 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
       if (group_size > 0) group_layout = {g.cols / group_size, 1};
     }
   } else {
-    r.out = at::empty(input.sizes(), input.options());
+    r.out = plane > 0 ? at::empty_strided(input.sizes(), input.strides(), input.options())
+                      : at::empty(input.sizes(), input.options());
     if (residual.has_value()) {
       r.residual_out = at::empty(input.sizes(), input.options().dtype(h_type));
     } else if (!(unread & kPlaceholdersUnread)) {
@@ -338,6 +378,7 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   p.rms = rms;
   p.weight_offset = weight_offset;
   p.cast_before_weight = cast_before_weight;
+  p.plane = plane;
   if (quant != nullptr) {
     p.codes = p.out;
     p.out = nullptr;
@@ -396,8 +437,13 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
   const int64_t normalized_ndim = static_cast<int64_t>(normalized_shape.size());
   auto widened = [widen](const Tensor& t) { return widen ? t.to(ScalarType::Double) : t; };
   auto statistics = [&](const Tensor& t) { return widened(t).contiguous(); };
-  const ReadRows grad_out_rows = read_rows(widened(grad_out_arg), normalized_ndim, g.cols);
-  const ReadRows saved_rows = read_rows(widened(saved_arg), normalized_ndim, g.cols);
+  // Channels-first saved rows (column_plane; the forward took them in place): read in place, with grad_out in
+  // the same layout (copied into it if it has another one, e.g. an expanded gradient), and grad_input in it too.
+  const int64_t plane = grad_residual_out_arg.has_value() ? 0 : column_plane(saved_arg, normalized_ndim);
+  const ReadRows saved_rows =
+      plane > 0 ? ReadRows{widened(saved_arg), RowLayout{}} : read_rows(widened(saved_arg), normalized_ndim, g.cols);
+  const ReadRows grad_out_rows = plane > 0 ? ReadRows{in_layout_of(widened(grad_out_arg), saved_rows.rows), RowLayout{}}
+                                           : read_rows(widened(grad_out_arg), normalized_ndim, g.cols);
   const Tensor& grad_out = grad_out_rows.rows;
   const Tensor& saved = saved_rows.rows;
   const OptTensor mean = mean_arg.has_value() ? OptTensor(statistics(*mean_arg)) : std::nullopt;
@@ -415,7 +461,8 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
       grad_residual_rows.has_value() ? OptTensor(grad_residual_rows->rows) : std::nullopt;
 
   BackwardResult r;
-  r.grad_input = at::empty(saved.sizes(), saved.options());
+  r.grad_input = plane > 0 ? at::empty_strided(saved.sizes(), saved.strides(), saved.options())
+                           : at::empty(saved.sizes(), saved.options());
   // An absent parameter's placeholder gradient has the other parameter's dtype (the caller's), else saved's.
   const ScalarType placeholder_type =
       weight_arg.has_value() ? weight_arg->scalar_type()
@@ -456,6 +503,7 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
   p.grad_out_rows = grad_out_rows.layout;
   p.saved_rows = saved_rows.layout;
   p.grad_residual_rows = grad_residual_rows.has_value() ? grad_residual_rows->layout : RowLayout::packed(g.cols);
+  p.plane = plane;
   launch(p);
   return in_arg_dtypes(std::move(r), saved_arg, weight_arg, bias_arg);
 }

@@ -73,6 +73,10 @@ struct NormForwardParams {
   // the kernel.
   bool scales_swizzled = false;
   RowLayout input_rows, residual_rows, out_rows, residual_out_rows;  // out_rows: out's, or codes'
+  // > 0: channels-first rows (CPU only, no residual, no quantized output; norm_ops.cpp, column_plane): input and
+  // out are a dense [rows / plane images][cols][plane] block each, row r being pixel r % plane of image r / plane,
+  // its elements plane apart; the row layouts are unused.
+  int64_t plane = 0;
 };
 
 // One backward call. saved is h (saved_is_output = false) or the forward's out (true, the memory-efficient
@@ -100,6 +104,8 @@ struct NormBackwardParams {
   bool saved_is_output = false;
   double weight_offset = 0.0;  // the forward's: the scale is weight + weight_offset (its gradient, dweight's)
   RowLayout grad_out_rows, saved_rows, grad_residual_rows;
+  // > 0: channels-first rows, as the forward's: grad_out, saved and grad_input all so; no grad_residual_out.
+  int64_t plane = 0;
 };
 
 }  // namespace layernorm_ext

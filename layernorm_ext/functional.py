@@ -284,10 +284,13 @@ def layer_norm_2d(
     input: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-6, **kwargs: Any
 ) -> Tensor:
     """LayerNorm over the channel dim of (N, C, *spatial) input (timm's ``LayerNorm2d``: ConvNeXt, SAM's image
-    encoder): each pixel's C channels are a row. A channels_last input's rows are packed and are read in place;
-    a contiguous NCHW input's channels are H * W apart, so the op copies it once first. The result is (N, C,
-    *spatial) in channels_last memory format, as timm's ``permute``, ``layer_norm``, ``permute`` gives. Keyword
-    arguments as :func:`layer_norm`'s."""
+    encoder): each pixel's C channels are a row. No copy for the two usual layouts: a channels_last input's rows
+    are packed (the row kernels); on the CPU, a contiguous (N, C, *spatial) input's channels are H * W apart and
+    its pixels adjacent, which the channels-first kernels read in place (forward and backward). The result has the
+    input's memory format there: channels_last for channels_last input, contiguous for contiguous input (timm's
+    ``permute``, ``layer_norm``, ``permute`` gives channels_last for both; the values are the same). Any other
+    layout (a slice of the channels, a strided plane, a CUDA tensor in NCHW) is copied once into channels_last
+    rows first, and the result is channels_last. Keyword arguments as :func:`layer_norm`'s."""
     rows, back = _channels_last(input, "layer_norm_2d")
     return layer_norm(rows, input.shape[1], weight, bias, eps, **kwargs).permute(back)
 

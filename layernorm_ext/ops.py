@@ -38,6 +38,38 @@ def _stat_dtype(h_dtype: torch.dtype) -> torch.dtype:
 # csrc/norm_checks.cpp), so that torch.compile / torch.export reject what eager rejects, with the same error.
 
 
+def _column_plane(t: Tensor, normalized_ndim: int) -> int:
+    """Mirrors column_plane in csrc/norm_ops.cpp: the pixels per image when t's rows are channels-first rows that
+    the CPU kernels read in place (t (N, *spatial, C) over a dense (N, C, *spatial) block: layer_norm_2d's view of
+    a contiguous NCHW tensor), else 0. Such an op's output (forward: out; backward: grad_input) has t's strides."""
+    if normalized_ndim != 1 or t.dim() < 2 or t.device.type != "cpu":
+        return 0
+    sizes, strides = t.shape, t.stride()
+    cols = sizes[-1]
+    expected, plane = 1, 0
+    for d in range(t.dim() - 2, -1, -1):
+        if sizes[d] == 1:
+            continue
+        if strides[d] != expected:
+            if plane != 0 or expected == 1:
+                return 0
+            plane = expected
+            expected *= cols
+            if strides[d] != expected:
+                return 0
+        expected *= sizes[d]
+    if plane == 0:
+        plane = expected
+    return plane if cols > 1 and plane > 1 and strides[-1] == plane else 0
+
+
+def _like_rows(t: Tensor, normalized_ndim: int) -> Tensor:
+    """A new tensor of t's shape as the ops allocate it: t's strides for channels-first rows, else contiguous."""
+    if _column_plane(t, normalized_ndim) > 0:
+        return t.new_empty_strided(t.shape, t.stride())
+    return t.new_empty(t.shape)
+
+
 def _fake_forward(
     op: str,
     input: Tensor,
@@ -51,7 +83,7 @@ def _fake_forward(
     stat_shape = _checks.check_forward(op, input, normalized_shape, weight, bias, residual, rms=_is_rms(op))
     _checks.check_weight_offset(op, weight, weight_offset)
     h_dtype = input.dtype if residual is None else residual_out_dtype(input, residual, residual_in_fp32)
-    out = input.new_empty(input.shape)
+    out = input.new_empty(input.shape) if residual is not None else _like_rows(input, len(normalized_shape))
     residual_out = input.new_empty(input.shape if residual is not None else (0,), dtype=h_dtype)
     stat = input.new_empty(stat_shape, dtype=_stat_dtype(h_dtype))
     return out, residual_out, stat
@@ -98,6 +130,10 @@ def _param_grad_placeholder(saved: Tensor, param: Tensor | None, other: Tensor |
     return saved.new_empty((0,), dtype=dtype)
 
 
+def _grad_input_like(saved: Tensor, normalized_shape: Sequence[int], grad_residual_out: Tensor | None) -> Tensor:
+    return saved.new_empty(saved.shape) if grad_residual_out is not None else _like_rows(saved, len(normalized_shape))
+
+
 @torch.library.register_fake("layernorm_ext::layer_norm_bwd")
 def _layer_norm_bwd_fake(
     grad_out: Tensor,
@@ -117,7 +153,7 @@ def _layer_norm_bwd_fake(
     )
     _checks.check_weight_offset("layer_norm_backward", weight, weight_offset)
     return (
-        saved.new_empty(saved.shape),
+        _grad_input_like(saved, normalized_shape, grad_residual_out),
         _param_grad_placeholder(saved, weight, bias),
         _param_grad_placeholder(saved, bias, weight),
     )
@@ -139,7 +175,7 @@ def _rms_norm_bwd_fake(
         saved_is_output, rms=True,
     )
     _checks.check_weight_offset("rms_norm_backward", weight, weight_offset)
-    return saved.new_empty(saved.shape), _param_grad_placeholder(saved, weight, None)
+    return _grad_input_like(saved, normalized_shape, grad_residual_out), _param_grad_placeholder(saved, weight, None)
 
 
 # The inference ops (out=, in place): they return nothing, so their fake kernels only check (as the C++ op

@@ -4,6 +4,9 @@
 // Forward: rows split across threads, one thread per row (rows_forward.h has the per-row passes); a few long
 // rows (M = 1, N = 2^20) are instead split into column ranges, each pass over the ranges in parallel and
 // the ranges' sums added in order.
+// Channels-first rows (p.plane > 0, columns.h): tasks of kColumnPixels pixels of one image, in parallel; the
+// backward's tasks grouped into chunks as the rows are (shape only), each chunk's dweight / dbias into its double
+// partial, reduced in chunk order.
 // Backward: rows grouped into a fixed number of chunks (it depends on rows and cols only, never on the thread
 // count); each chunk adds its rows' dweight/dbias into its own double partial buffer, then the partials are
 // reduced in chunk order, parallel over columns: the same bits whatever the thread count. Long rows in fewer
@@ -47,6 +50,8 @@ constexpr int64_t kMaxPartialElems = 1 << 18;
 // Within a chunk, the row kernels add at most this many rows into a block partial of their compute type before
 // it is added into the chunk's double partial: float sums of thousands of rows would lose digits.
 constexpr int64_t kBlockRows = 64;
+// Channels-first rows: pixels per task (a multiple of every ISA's lanes).
+constexpr int64_t kColumnPixels = 256;
 
 // ---- instruction set ----------------------------------------------------------------------------------------
 bool cpu_has(const char* isa) {
@@ -163,7 +168,7 @@ struct KeptBuffer {
 
 // What each buffer holds (one per element type and slot, per thread).
 enum ScratchSlot {
-  kWeightSlot, kBiasSlot, kDweightSlot, kDbiasSlot, kBlockDweightSlot, kBlockDbiasSlot, kQuantRowSlot
+  kWeightSlot, kBiasSlot, kDweightSlot, kDbiasSlot, kBlockDweightSlot, kBlockDbiasSlot, kQuantRowSlot, kLaneSlot
 };
 
 template <typename T, int kSlot>
@@ -355,6 +360,19 @@ void forward_with(const NormForwardParams& p, const RowKernels& k) {
   a.residual_rows = p.residual_rows;
   a.residual_out_rows = p.residual_out_rows;
   a.out_rows = p.out_rows;
+  if (p.plane > 0) {
+    const ForwardColumnsFn columns_fn = k.forward_columns(src, to_dtype(p.input_type));
+    TORCH_CHECK(columns_fn != nullptr, "layernorm_ext: no CPU kernel for channels-first rows of ", p.input_type);
+    const int64_t blocks = (p.plane + kColumnPixels - 1) / kColumnPixels;
+    const int64_t grain = std::max<int64_t>(1, kParallelGrainElems / (kColumnPixels * p.cols));
+    at::parallel_for(0, p.rows / p.plane * blocks, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t p0 = t % blocks * kColumnPixels;
+        columns_fn(a, p.plane, t / blocks, p0, std::min(p.plane, p0 + kColumnPixels));
+      }
+    });
+    return;
+  }
   if (p.codes == nullptr && split_rows(p.rows, p.cols)) {
     forward_split<C>(p, k, a, src);
     return;
@@ -409,6 +427,49 @@ void forward(const NormForwardParams& p) {
 }
 
 namespace {
+
+// The chunks' double partials (chunks x cols each) summed in chunk order, in double, parallel over columns, into
+// the gradient of the parameters' dtype.
+void reduce_partials(const NormBackwardParams& p, const double* partial, int64_t chunks, void* dst) {
+  const int64_t cols = p.cols;
+  at::parallel_for(0, cols, 4096, [&](int64_t begin, int64_t end) {
+    std::vector<double> sum(end - begin, 0.0);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const double* src = partial + c * cols;
+      for (int64_t j = begin; j < end; ++j) sum[j - begin] += src[j];
+    }
+    store_param(sum.data(), dst, p.weight_type, begin, end - begin);
+  });
+}
+
+// Channels-first rows: tasks of kColumnPixels pixels of one image, in at most kMaxChunks chunks of consecutive
+// tasks (shape only), each chunk's terms into its own double partial.
+void backward_columns_with(const NormBackwardParams& p, const RowKernels& k, const BackwardRows& a) {
+  const BackwardColumnsFn columns_fn = k.backward_columns(to_dtype(p.saved_type), to_dtype(p.out_type));
+  const int64_t cols = p.cols;
+  const int64_t blocks = (p.plane + kColumnPixels - 1) / kColumnPixels;
+  const int64_t tasks = p.rows / p.plane * blocks;
+  const int64_t chunk_tasks = (tasks + kMaxChunks - 1) / kMaxChunks;
+  const int64_t chunks = (tasks + chunk_tasks - 1) / chunk_tasks;
+  ScratchLease<double, kDweightSlot> dweight_scratch;
+  ScratchLease<double, kDbiasSlot> dbias_scratch;
+  double* dweight_partial = p.grad_weight != nullptr ? dweight_scratch.zeroed(chunks * cols) : nullptr;
+  double* dbias_partial = p.grad_bias != nullptr ? dbias_scratch.zeroed(chunks * cols) : nullptr;
+  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    ScratchLease<double, kLaneSlot> lane_scratch;
+    void* lanes = lane_scratch.get((cols * kColumnScratchBytes + 64) / static_cast<int64_t>(sizeof(double)) + 1);
+    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+      double* dweight = dweight_partial != nullptr ? dweight_partial + c * cols : nullptr;
+      double* dbias = dbias_partial != nullptr ? dbias_partial + c * cols : nullptr;
+      for (int64_t t = c * chunk_tasks; t < std::min(tasks, (c + 1) * chunk_tasks); ++t) {
+        const int64_t p0 = t % blocks * kColumnPixels;
+        columns_fn(a, p.plane, t / blocks, p0, std::min(p.plane, p0 + kColumnPixels), lanes, dweight, dbias);
+      }
+    }
+  });
+  if (dweight_partial != nullptr) reduce_partials(p, dweight_partial, chunks, p.grad_weight);
+  if (dbias_partial != nullptr) reduce_partials(p, dbias_partial, chunks, p.grad_bias);
+}
 
 // dweight / dbias: each block of <= kBlockRows rows adds into a block partial of P (the row kernels' compute
 // type), which is added into its chunk's double partial row; then the chunks are summed in order, in double,
@@ -489,18 +550,8 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
     });
   }
 
-  auto reduce = [&](const double* partial, void* dst) {
-    at::parallel_for(0, cols, 4096, [&](int64_t begin, int64_t end) {
-      std::vector<double> sum(end - begin, 0.0);
-      for (int64_t c = 0; c < chunks; ++c) {
-        const double* src = partial + c * cols;
-        for (int64_t j = begin; j < end; ++j) sum[j - begin] += src[j];
-      }
-      store_param(sum.data(), dst, p.weight_type, begin, end - begin);
-    });
-  };
-  if (dweight_partial != nullptr) reduce(dweight_partial, p.grad_weight);
-  if (dbias_partial != nullptr) reduce(dbias_partial, p.grad_bias);
+  if (dweight_partial != nullptr) reduce_partials(p, dweight_partial, chunks, p.grad_weight);
+  if (dbias_partial != nullptr) reduce_partials(p, dbias_partial, chunks, p.grad_bias);
 }
 
 }  // namespace
@@ -536,7 +587,9 @@ void backward(const NormBackwardParams& p) {
   a.rms = p.rms;
   a.saved_is_output = p.saved_is_output;
   a.stats_double = p.acc_type == ScalarType::Double;
-  if (float_math) {
+  if (p.plane > 0) {
+    backward_columns_with(p, k, a);
+  } else if (float_math) {
     backward_with<float>(p, k, a);
   } else {
     backward_with<double>(p, k, a);

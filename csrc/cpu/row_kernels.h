@@ -97,6 +97,19 @@ using BackwardSegmentSumsFn = void (*)(const BackwardRows& a, int64_t row, int64
 using BackwardSegmentApplyFn = void (*)(const BackwardRows& a, int64_t row, int64_t c0, int64_t c1,
                                         const double* row_sums3, void* dweight, void* dbias);
 
+// Channels-first rows (columns.h): the tensors hold a dense [images][cols][plane] block, each of the images *
+// plane rows (pixels) has its cols elements plane apart, and row image * plane + p is pixel p of its image (the
+// statistics' index). The kernels take the pixels [p0, p1) of one image. Forward: ForwardRows' input, out,
+// weight, bias, mean, rstd, cols, eps, rms and cast_before_weight (no residual, no quantized output; the row
+// layouts unused). Backward: BackwardRows' fields but grad_residual_out and the row layouts (grad_out, saved and
+// grad_input share the block's layout); the pixels' dweight / dbias terms are added into dweight / dbias (double,
+// cols each, nullptr: not wanted), summed first per lane in the compute type into lane_scratch (at least
+// kColumnScratchBytes per column, the caller's), in blocks of kColumnBlockVectors vectors of pixels.
+constexpr int64_t kColumnScratchBytes = 2 * 64;
+using ForwardColumnsFn = void (*)(const ForwardRows& a, int64_t plane, int64_t image, int64_t p0, int64_t p1);
+using BackwardColumnsFn = void (*)(const BackwardRows& a, int64_t plane, int64_t image, int64_t p0, int64_t p1,
+                                   void* lane_scratch, double* dweight, double* dbias);
+
 // One instruction set's kernels. Lookups return nullptr for dtype pairs no kernel exists for.
 struct RowKernels {
   const char* isa;
@@ -107,6 +120,8 @@ struct RowKernels {
   SegmentNormalizeFn (*segment_normalize)(Dtype src, Dtype out);
   BackwardSegmentSumsFn (*backward_segment_sums)(Dtype saved, Dtype grad_out);
   BackwardSegmentApplyFn (*backward_segment_apply)(Dtype saved, Dtype grad_out);
+  ForwardColumnsFn (*forward_columns)(Dtype src, Dtype out);
+  BackwardColumnsFn (*backward_columns)(Dtype saved, Dtype grad_out);
 };
 
 const RowKernels& portable_row_kernels();

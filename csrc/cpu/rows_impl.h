@@ -14,6 +14,7 @@
 //   rows_simd.h      element types, vectors, float16 / bfloat16 conversions, loads, stores, row sums
 //   rows_forward.h   h = x + r, the forward rows, quantized output
 //   rows_backward.h  the backward rows
+//   columns.h        channels-first rows (elements plane apart, the lanes consecutive rows), forward and backward
 // This file keeps the long rows split into column ranges (forward and backward), the lookup tables over the
 // dtype enum and the entry, LNX_ENTRY.
 //
@@ -60,6 +61,7 @@ LNX_PRAGMA(GCC target(LNX_TARGET))
 #include "rows_simd.h"
 #include "rows_forward.h"
 #include "rows_backward.h"
+#include "columns.h"
 
 namespace layernorm_ext {
 namespace cpu {
@@ -177,6 +179,23 @@ struct NormalizeEntry {
   static constexpr SegmentNormalizeFn value = normalize_entry<S, Y>();
 };
 
+template <int S, int Y>
+constexpr ForwardColumnsFn forward_columns_entry() {
+  if constexpr (kValidForward<S, Y>) {
+    return &forward_columns<TypeAt<S>, TypeAt<Y>>;
+  } else {
+    return nullptr;
+  }
+}
+template <int S, int Y>
+struct ForwardColumnsEntry {
+  static constexpr ForwardColumnsFn value = forward_columns_entry<S, Y>();
+};
+template <int S, int G>
+struct BackwardColumnsEntry {
+  static constexpr BackwardColumnsFn value = &backward_columns<TypeAt<S>, TypeAt<G>>;
+};
+
 template <int S, int G>
 struct BackwardEntry {
   static constexpr BackwardRowsFn value = &backward_rows<TypeAt<S>, TypeAt<G>>;
@@ -196,6 +215,8 @@ constexpr auto kNormalizeTable = make_pair_table<NormalizeEntry>(std::make_index
 constexpr auto kBackwardTable = make_pair_table<BackwardEntry>(std::make_index_sequence<16>{});
 constexpr auto kBackwardSumsTable = make_pair_table<BackwardSumsEntry>(std::make_index_sequence<16>{});
 constexpr auto kBackwardApplyTable = make_pair_table<BackwardApplyEntry>(std::make_index_sequence<16>{});
+constexpr auto kForwardColumnsTable = make_pair_table<ForwardColumnsEntry>(std::make_index_sequence<16>{});
+constexpr auto kBackwardColumnsTable = make_pair_table<BackwardColumnsEntry>(std::make_index_sequence<16>{});
 constexpr Array<SegmentSumsFn, 4> kSegmentSumsTable{&segment_sums<float>, &segment_sums<double>,
                                                      &segment_sums<bf16>, &segment_sums<f16>};
 
@@ -214,6 +235,10 @@ BackwardSegmentSumsFn lookup_backward_segment_sums(Dtype saved, Dtype grad_out) 
 BackwardSegmentApplyFn lookup_backward_segment_apply(Dtype saved, Dtype grad_out) {
   return kBackwardApplyTable[pair_index(saved, grad_out)];
 }
+ForwardColumnsFn lookup_forward_columns(Dtype src, Dtype out) { return kForwardColumnsTable[pair_index(src, out)]; }
+BackwardColumnsFn lookup_backward_columns(Dtype saved, Dtype grad_out) {
+  return kBackwardColumnsTable[pair_index(saved, grad_out)];
+}
 
 }  // namespace
 }  // namespace LNX_ISA_NS
@@ -230,7 +255,9 @@ const RowKernels& LNX_ENTRY() {
                                   &LNX_ISA_NS::lookup_segment_sums,
                                   &LNX_ISA_NS::lookup_segment_normalize,
                                   &LNX_ISA_NS::lookup_backward_segment_sums,
-                                  &LNX_ISA_NS::lookup_backward_segment_apply};
+                                  &LNX_ISA_NS::lookup_backward_segment_apply,
+                                  &LNX_ISA_NS::lookup_forward_columns,
+                                  &LNX_ISA_NS::lookup_backward_columns};
   return kernels;
 }
 
