@@ -242,6 +242,8 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         return bool(i.predicate) and stream.get(i.address) in unused
 
     def excluded(block: sass.Block) -> bool:
+        if has(block, ("PMTRIG",)):
+            return True  # kernel_common.cuh's cold_path(): rows whose float statistics overflowed, not the hot path
         for i in block.instructions:
             s = stream.get(i.address)
             if s in unused and not i.predicate:

@@ -413,6 +413,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
       if (moments_finite(squares)) {
         st = finish_stats<kRms>(a, row, writer, A(0), A(0), squares);
       } else if constexpr (!kDouble) {
+        cold_path();
         double first_wide, second_wide;
         wide_sums(first_wide, second_wide);
         const double wide = warp_allreduce(Sums<double, 1>{{second_wide}}, 32).v[0];
@@ -446,6 +447,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
       } else if (moments_finite(mom.m2)) {
         st = finish_stats<kRms>(a, row, writer, mom.centre, mom.rest, mom.m2);
       } else {
+        cold_path();
         double first_wide, second_wide;
         wide_sums(first_wide, second_wide);
         const Sums<double, 2> wide = warp_allreduce(Sums<double, 2>{{first_wide, second_wide}}, 32);
@@ -725,6 +727,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
         if (moments_finite(sum)) {
           st = finish_stats<kRms>(a, row, writer, S(0), S(0), sum);
         } else {
+          cold_path();
           const double wide = warp_allreduce(Sums<double, 1>{{static_cast<double>(total.v[0]) + wide_second}}, 32).v[0];
           if (lane0) wide_scratch[threadIdx.x / 32] = Sums<double, 1>{{wide}};
           row_barrier();
@@ -743,6 +746,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
         if (moments_finite(mom.m2)) {
           st = finish_stats<kRms>(a, row, writer, mom.centre, mom.rest, mom.m2);
         } else {
+          cold_path();
           double first_wide = static_cast<double>(total.v[0]) + wide_first;
           double second_wide = static_cast<double>(total.v[1]) + wide_second;
           recentre<double>(static_cast<double>(thread_packs * kVec), shift, centre, first_wide, second_wide);

@@ -438,6 +438,15 @@ __device__ __forceinline__ S merge_parts_sum(Part part, int parts) {
   return warp_allreduce(Sums<S, 1>{{total}}, width).v[0];
 }
 
+// Opens the path a row takes only when its float statistics overflowed (or it holds an infinity or NaN): a
+// performance-monitor trigger (SASS PMTRIG, no effect on the results), by which a profile and the kernel audit
+// (benchmarks/kernel_audit.py, which measures the hot path) tell the slow path from the hot one.
+__device__ __forceinline__ void cold_path() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("pmevent 0;");
+#endif
+}
+
 // Whether float statistics held: a sum that overflowed float (or an infinity or NaN of the row) leaves M2 not
 // finite, and the row's statistics are taken again in double (a branch that every thread of the row takes alike:
 // they all hold the same bits).
