@@ -264,12 +264,16 @@ __device__ __forceinline__ AbsMax shfl_xor(const AbsMax& s, int offset) {
 }
 
 // Butterfly all-reduce over `width` lanes (a power of two up to 32, aligned inside the warp); no barrier.
+// Unrolled, each step under a uniform predicate: a loop over a run-time width cost 7 instructions a step (sm_90).
 template <typename Stat>
 __device__ __forceinline__ Stat warp_allreduce(Stat s, int width) {
-  for (int offset = 1; offset < width; offset <<= 1) {
-    const Stat other = shfl_xor(s, offset);
-    const bool upper = (threadIdx.x & offset) != 0;
-    s = upper ? combine(other, s) : combine(s, other);
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    if (offset < width) {
+      const Stat other = shfl_xor(s, offset);
+      const bool upper = (threadIdx.x & offset) != 0;
+      s = upper ? combine(other, s) : combine(s, other);
+    }
   }
   return s;
 }
