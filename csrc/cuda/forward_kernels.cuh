@@ -355,7 +355,9 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
       for (int p = 0; p < kPacks; ++p)
 #pragma unroll
         for (int j = 0; j < kVec; ++j) sum += h[p][j];
-      shift = warp_allreduce(Sums<A, 1>{{sum}}, warp_lanes).v[0] * inv_warp_count;  // near the warp's mean
+      // A row of several warps: whole warps, a width the butterflies unroll for.
+      const Sums<A, 1> total = warps > 1 ? warp_allreduce(Sums<A, 1>{{sum}}, 32) : warp_allreduce(Sums<A, 1>{{sum}}, warp_lanes);
+      shift = total.v[0] * inv_warp_count;  // near the warp's mean
     }
     A first = A(0), second = A(0);  // LayerNorm: sum(d), sum(d^2); RMSNorm: sum(h^2)
 #pragma unroll
