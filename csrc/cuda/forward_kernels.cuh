@@ -355,8 +355,9 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
       for (int p = 0; p < kPacks; ++p)
 #pragma unroll
         for (int j = 0; j < kVec; ++j) sum += h[p][j];
-      // A row of several warps: whole warps, a width the butterflies unroll for.
-      const Sums<A, 1> total = warps > 1 ? warp_allreduce(Sums<A, 1>{{sum}}, 32) : warp_allreduce(Sums<A, 1>{{sum}}, warp_lanes);
+      Sums<A, 1> total{{sum}};
+      if (warps > 1) total = warp_allreduce_32(total);  // whole warps: unrolled (a loop took 35 instructions)
+      else total = warp_allreduce(total, warp_lanes);
       shift = total.v[0] * inv_warp_count;  // near the warp's mean
     }
     A first = A(0), second = A(0);  // LayerNorm: sum(d), sum(d^2); RMSNorm: sum(h^2)
@@ -366,7 +367,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
           const A d = h[p][j] - shift;
-          first += d;
+          if constexpr (!kRms) first += d;
           second += d * d;
         }
       }
@@ -399,16 +400,17 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
         wide_sums(first_wide, second_sum);
         first_sum = static_cast<A>(first_wide);
       }
-      const SumPair<A, double> m = warp_allreduce(SumPair<A, double>{first_sum, second_sum}, warp_lanes);
       if constexpr (kRms) {
-        st = finish_stats<kRms>(a, row, writer, A(0), A(0), m.s2);
+        const double squares = warp_allreduce(Sums<double, 1>{{second_sum}}, warp_lanes).v[0];
+        st = finish_stats<kRms>(a, row, writer, A(0), A(0), squares);
       } else {
+        const SumPair<A, double> m = warp_allreduce(SumPair<A, double>{first_sum, second_sum}, warp_lanes);
         const A rest = m.s1 * inv_cols;  // mean(d): what the shift lacks of the row's mean
         const double m2 = ::fma(-static_cast<double>(m.s1), static_cast<double>(rest), m.s2);
         st = finish_stats<kRms>(a, row, writer, shift, rest, m2);
       }
     } else if constexpr (kRms) {
-      A squares = warp_allreduce(Sums<A, 1>{{second}}, 32).v[0];
+      A squares = warp_allreduce_32(Sums<A, 1>{{second}}).v[0];
       if ((lane & 31) == 0) scratch[parity][lane / 32] = Sums<A, 1>{{squares}};
       __syncthreads();
       squares = merge_warp_sums(scratch[parity], warps);
@@ -424,7 +426,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
         st = finish_stats<kRms>(a, row, writer, 0.0, 0.0, merge_warp_sums(wide_scratch, warps));
       }
     } else {
-      const Sums<A, 2> m = warp_allreduce(Sums<A, 2>{{first, second}}, 32);
+      const Sums<A, 2> m = warp_allreduce_32(Sums<A, 2>{{first, second}});
       if ((lane & 31) == 0) scratch[parity][lane / 32] = ShiftedMoments<A>{warp_count, shift, m.v[0], m.v[1]};
       __syncthreads();
       RowMoments<A> mom = merge_shifted_moments([&](int i) { return scratch[parity][i]; }, warps, inv_cols);

@@ -264,14 +264,26 @@ __device__ __forceinline__ AbsMax shfl_xor(const AbsMax& s, int offset) {
 }
 
 // Butterfly all-reduce over `width` lanes (a power of two up to 32, aligned inside the warp); no barrier. A
-// width known at compile time (32) unrolls; a run-time one is a loop of 7 instructions a step (sm_90): unrolled
-// under predicates instead, it took 16 more registers in the bfloat16 LayerNorm forward (80 -> 96).
+// run-time width is a loop of 7 instructions a step (sm_90); unrolled under predicates instead, it took 16 more
+// registers in the bfloat16 LayerNorm forward (80 -> 96).
 template <typename Stat>
 __device__ __forceinline__ Stat warp_allreduce(Stat s, int width) {
   for (int offset = 1; offset < width; offset <<= 1) {
     const Stat other = shfl_xor(s, offset);
     const bool upper = (threadIdx.x & offset) != 0;
     s = upper ? combine(other, s) : combine(s, other);
+  }
+  return s;
+}
+
+// The same over a whole warp, unrolled: where the width is 32 on one side of a run-time branch, the compiler
+// merged the two calls into the loop.
+template <typename Stat>
+__device__ __forceinline__ Stat warp_allreduce_32(Stat s) {
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const Stat other = shfl_xor(s, offset);
+    s = (threadIdx.x & offset) != 0 ? combine(other, s) : combine(s, other);
   }
   return s;
 }
