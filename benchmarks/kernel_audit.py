@@ -128,7 +128,7 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     the all-reduce's shared-memory writes; the stage's accesses when staged; entries of loops that run) wins,
     ties to the fewest instructions. Loops count trip / unroll times:
     column loops ceil(units / threads), shuffle loops log2(lanes in a warp), shared-memory merge loops
-    lanes / 32 - 1; of a loop and its remainder loops only the most unrolled counts."""
+    ceil(warps of the row / 32); of a loop and its remainder loops only the most unrolled counts."""
     pointers_list = FORWARD_POINTERS if direction == "forward" else BACKWARD_POINTERS
     pointers = {arch.param_base + 8 * i: name for i, name in enumerate(pointers_list)}
     used, unused = call_streams(op, direction)
@@ -180,7 +180,7 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     trips = {
         "column": -(-units // (threads * cluster)),
         "shuffle": int(math.log2(min(lanes, 32))) if lanes > 1 else 0,
-        "merge": max(lanes // 32 - 1, 0),
+        "merge": -(-(lanes // 32) // 32),  # a lane takes every 32nd warp's state (merge_shifted_moments)
         "other": 1,
     }
     multiplicity = {b: 1.0 for b in region}
@@ -242,6 +242,8 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         return bool(i.predicate) and stream.get(i.address) in unused
 
     def excluded(block: sass.Block) -> bool:
+        if has(block, ("PMTRIG",)):
+            return True  # kernel_common.cuh's cold_path(): rows whose float statistics overflowed, not the hot path
         for i in block.instructions:
             s = stream.get(i.address)
             if s in unused and not i.predicate:

@@ -271,7 +271,9 @@ def basic_blocks(function: Function) -> list[Block]:
     by_start = {b.start: b.index for b in blocks}
     for block in blocks:
         last = block.instructions[-1]
-        falls_through = not ((last.is_jump or last.op in ("EXIT", "RET")) and not last.predicate)
+        # BRA.DIV branches only where the warp has diverged (to the out-of-line form of a shuffle): it falls through.
+        conditional = bool(last.predicate) or (last.op == "BRA" and "DIV" in last.modifiers)
+        falls_through = not ((last.is_jump or last.op in ("EXIT", "RET")) and not conditional)
         target = last.branch_target()
         if target is not None and target in by_start:
             block.successors.append(by_start[target])

@@ -64,6 +64,21 @@ def test_row_path_figures(lanes, barriers):
     assert figures.element_bytes == 48 and figures.streams_found == {"input", "out"}
 
 
+def test_divergence_branch_falls_through_and_cold_path_is_left_out():
+    """tests/data/cold.sass: a shuffle behind BRA.DIV (taken only where the warp has diverged), then after the
+    row's barrier a branch to a block opened by PMTRIG (kernel_common.cuh's cold_path(): the forward's double
+    statistics of a row whose float ones overflowed) holding a second shared-memory write, barrier and FP64.
+    Reading BRA.DIV as an unconditional jump cut the path before the shuffle (0 barriers); taking the cold
+    block (its write scores like the all-reduce's) counted 2 barriers and 2 FP64 instructions."""
+    (function,) = sass.parse_sass((REPO / "tests" / "data" / "cold.sass").read_text()).values()
+    blocks = sass.basic_blocks(function)
+    assert (blocks[0].instructions[-1].opcode, blocks[0].successors) == ("BRA.DIV", [7, 1])
+    plan = {"lanes": 64, "threads": 64, "vec": 8, "cols": 64 * 8, "packs": 1, "staged": False}
+    figures = kernel_audit.analyze_row_path(function, SM90, plan, "layer_norm", "forward")
+    assert figures.barriers == 1 and figures.fp64 == 0
+    assert figures.streams_found == {"input", "out"}
+
+
 @pytest.mark.parametrize(
     "registers, shared, threads, expected",
     [(128, 1216, 512, 1), (128, 9408, 128, 4), (64, 320, 128, 8), (50, 1408, 512, 2), (32, 384, 512, 4),

@@ -169,20 +169,31 @@ __device__ __forceinline__ quant::Scaling row_scaling(const QuantArgs& q, int64_
   return quant::scaling(scale, /*is_static=*/false, q.code);
 }
 
-// The row's statistics from its mean, given as shift + mean_rest (shift of the compute type, the rest in
-// double), and its (biased) variance, or mean square for RMSNorm, in double. eps and the reciprocal square
-// root are taken in double, so that rstd is rounded once: dx is proportional to rstd, and for short rows
-// (N = 1: dx is proportional to 1 - xhat^2) sensitive to every rounding of it. The stored mean is rounded once
-// too. `writer` stores them for the backward.
-template <bool kRms, typename A>
-__device__ __forceinline__ RowStats<A> finish_stats(const ForwardArgs<A>& a, int64_t row, bool writer, A shift,
-                                                    double mean_rest, double var) {
-  RowStats<A> st;
-  st.shift = shift;
-  st.corr = static_cast<A>(mean_rest);
-  st.rstd = static_cast<A>(::rsqrt((var < 0.0 ? 0.0 : var) + a.eps));  // NaN stays NaN: it poisons the row
+// The row's statistics from its mean, given as centre + rest (centre a value of the compute type near the
+// mean; rest what it lacks, both in S1), and its sum of squared deviations M2 (RMSNorm: of squares) in S2.
+// M2 / cols + eps is rounded once, in double, and its reciprocal square root taken in double, so that rstd is
+// rounded once: dx is proportional to rstd, and for short rows (N = 1: dx is proportional to 1 - xhat^2)
+// sensitive to every rounding of it. The mean is rounded once too, and what that lost (Fast2Sum, exact) is the
+// correction that normalize applies after the shift. `writer` stores them for the backward.
+template <typename S>
+__device__ __forceinline__ S magnitude(S v) {
+  return v < S(0) ? -v : v;
+}
+
+template <bool kRms, typename A, typename S1, typename S2>
+__device__ __forceinline__ RowStats<A> finish_stats(const ForwardArgs<A>& a, int64_t row, bool writer, S1 centre,
+                                                    S1 rest, S2 m2) {
+  RowStats<A> st{A(0), A(0), A(0)};
+  const double mean_square = static_cast<double>(m2 < S2(0) ? S2(0) : m2);  // NaN stays NaN: it poisons the row
+  st.rstd = static_cast<A>(::rsqrt(::fma(mean_square, a.inv_cols, a.eps)));
+  if constexpr (!kRms) {
+    const bool centre_larger = magnitude(centre) >= magnitude(rest);
+    const S1 big = centre_larger ? centre : rest, small = centre_larger ? rest : centre;
+    st.shift = static_cast<A>(big + small);
+    st.corr = static_cast<A>(small - (static_cast<S1>(st.shift) - big));
+  }
   if (writer && a.rstd != nullptr) {  // the inference ops store no statistics (mean and rstd both nullptr)
-    if (!kRms) a.mean[row] = static_cast<A>(static_cast<double>(shift) + mean_rest);
+    if (!kRms) a.mean[row] = st.shift;
     a.rstd[row] = st.rstd;
   }
   return st;
@@ -270,10 +281,12 @@ constexpr bool early_affine() {
 // a run-time residual branch between two loads, a bfloat16 thread kept one 16-byte load in flight).
 // Statistics, per warp first (no barrier): LayerNorm all-reduces the warp's sum for a shift (its mean, rounded),
 // then the sums of d = h - shift and d^2 (exact centring: no Welford divisions, and a variance free of the
-// mean's rounding); RMSNorm the sum of squares. Each lane adds its own values in the compute type, the lanes'
-// sums are added in double. A row in one (sub-)warp is done there; a row of several warps takes one
-// shared-memory round (double-buffered by row parity: one barrier per row) and merges the warps' moments
-// (merge_warp_moments). Then each lane normalizes the values it holds. kQuant (quantized output): the lane
+// mean's rounding); RMSNorm the sum of squares. Each lane adds its own values in the compute type. A row in one
+// (sub-)warp is done there, the lanes' sums of squares added in double (no later round could redo an overflowed
+// float sum). A row of several warps adds them in the compute type, takes one shared-memory round
+// (double-buffered by row parity: one barrier per row) and merges the warps' moments about warp 0's shift
+// (merge_shifted_moments); only a row whose float statistics overflowed (or that holds an infinity or NaN)
+// takes them again in double, with a second round. Then each lane normalizes the values it holds. kQuant (quantized output): the lane
 // computes its output values twice from the registers, folding their absmax (all-reduced over the row) for a
 // dynamic scale, then stores codes.
 // kResidual (a.residual given) is a compile-time flag: the kernel without one keeps no registers for the
@@ -284,18 +297,23 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
     forward_rows_kernel(ForwardArgs<acc_t<Th>> a, Quant... quant) {
   using A = acc_t<Th>;
   constexpr bool kQuant = sizeof...(Quant) == 1;
-  using WarpState = std::conditional_t<kRms, Sums<double, 1>, WarpMoments>;
-  __shared__ WarpState scratch[2][kMaxRowThreads / 32];
+  constexpr bool kDouble = std::is_same_v<A, double>;
+  // A row of several warps: the warps' states in the compute type (double-buffered by row parity), and in
+  // double for a row whose float statistics overflowed (one buffer: the next row's first barrier separates its
+  // writes from this row's reads).
+  __shared__ std::conditional_t<kRms, Sums<A, 1>, ShiftedMoments<A>> scratch[2][kMaxRowThreads / 32];
+  __shared__ std::conditional_t<kRms, Sums<double, 1>, ShiftedMoments<double>> wide_scratch[kDouble ? 1 : kMaxRowThreads / 32];
   // float64 LayerNorm rows of several warps: the second round's sums (see the merge below).
-  constexpr int kDeviationWarps = !kRms && std::is_same_v<A, double> ? kMaxRowThreads / 32 : 1;
+  constexpr int kDeviationWarps = !kRms && kDouble ? kMaxRowThreads / 32 : 1;
   __shared__ Sums<double, 1> deviations[2][kDeviationWarps];
   constexpr bool kEarlyAffine = early_affine<A, Tw, kRms, kVec, kPacks>();
   const int group = threadIdx.x / a.lanes;
   const int lane = threadIdx.x % a.lanes;
   const int warp_lanes = a.lanes < 32 ? a.lanes : 32;
   const int warps = a.lanes / 32;  // > 1: the row spans the block
+  const A inv_cols = static_cast<A>(a.inv_cols);
   // Values of the row in this thread's warp, and their reciprocal (the warp's mean from its sum).
-  double warp_count = static_cast<double>(a.cols), inv_warp_count = a.inv_cols;
+  A warp_count = static_cast<A>(a.cols), inv_warp_count = inv_cols;
   if (a.lanes > 32) {
     const int64_t warp_first = lane / 32 * 32;
     int64_t count = 0;
@@ -304,7 +322,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
       const int64_t left = a.units - (static_cast<int64_t>(p) * a.lanes + warp_first);
       count += left < 0 ? 0 : (left < 32 ? left : 32);
     }
-    warp_count = static_cast<double>(count * kVec);
+    warp_count = static_cast<A>(count * kVec);
     inv_warp_count = reciprocal(warp_count);
   }
   int parity = 0;
@@ -337,8 +355,10 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
       for (int p = 0; p < kPacks; ++p)
 #pragma unroll
         for (int j = 0; j < kVec; ++j) sum += h[p][j];
-      const Sums<A, 1> total = warp_allreduce(Sums<A, 1>{{sum}}, warp_lanes);
-      shift = static_cast<A>(static_cast<double>(total.v[0]) * inv_warp_count);
+      Sums<A, 1> total{{sum}};
+      if (warps > 1) total = warp_allreduce_32(total);  // whole warps: unrolled (a loop took 35 instructions)
+      else total = warp_allreduce(total, warp_lanes);
+      shift = total.v[0] * inv_warp_count;  // near the warp's mean
     }
     A first = A(0), second = A(0);  // LayerNorm: sum(d), sum(d^2); RMSNorm: sum(h^2)
 #pragma unroll
@@ -347,72 +367,101 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
           const A d = h[p][j] - shift;
-          first += d;
+          if constexpr (!kRms) first += d;
           second += d * d;
         }
       }
     }
-    double first_sum = static_cast<double>(first), second_sum = static_cast<double>(second);
-    if constexpr (!std::is_same_v<A, double>) {
-      // Float squares overflow beyond |d| ~ 1.8e19 (ATen's float statistics give 0 or NaN there): this lane's
-      // sums again in double from its registers, only where they overflowed (or an infinity is held).
+    // This lane's sums in double, from its registers (float squares overflow beyond |d| ~ 1.8e19, where ATen's
+    // float statistics give 0 or NaN).
+    auto wide_sums = [&](double& first_wide, double& second_wide) {
+      first_wide = second_wide = 0.0;
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+        if (valid[p]) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            const double d = static_cast<double>(h[p][j]) - static_cast<double>(shift);
+            first_wide += d;
+            second_wide += d * d;
+          }
+        }
+      }
+    };
+    RowStats<A> st;
+    const bool writer = row_ok && lane == 0;
+    if (warps <= 1) {
+      // The row in one (sub-)warp: the lanes' sums of squares added in double, the lane's own taken again in
+      // double where they overflowed.
+      A first_sum = first;
+      double second_sum = static_cast<double>(second);
       if (second > std::numeric_limits<A>::max()) {
-        first_sum = second_sum = 0.0;
+        double first_wide;
+        wide_sums(first_wide, second_sum);
+        first_sum = static_cast<A>(first_wide);
+      }
+      if constexpr (kRms) {
+        const double squares = warp_allreduce(Sums<double, 1>{{second_sum}}, warp_lanes).v[0];
+        st = finish_stats<kRms>(a, row, writer, A(0), A(0), squares);
+      } else {
+        const SumPair<A, double> m = warp_allreduce(SumPair<A, double>{first_sum, second_sum}, warp_lanes);
+        const A rest = m.s1 * inv_cols;  // mean(d): what the shift lacks of the row's mean
+        const double m2 = ::fma(-static_cast<double>(m.s1), static_cast<double>(rest), m.s2);
+        st = finish_stats<kRms>(a, row, writer, shift, rest, m2);
+      }
+    } else if constexpr (kRms) {
+      A squares = warp_allreduce_32(Sums<A, 1>{{second}}).v[0];
+      if ((lane & 31) == 0) scratch[parity][lane / 32] = Sums<A, 1>{{squares}};
+      __syncthreads();
+      squares = merge_warp_sums(scratch[parity], warps);
+      if (moments_finite(squares)) {
+        st = finish_stats<kRms>(a, row, writer, A(0), A(0), squares);
+      } else if constexpr (!kDouble) {
+        cold_path();
+        double first_wide, second_wide;
+        wide_sums(first_wide, second_wide);
+        const double wide = warp_allreduce(Sums<double, 1>{{second_wide}}, 32).v[0];
+        if ((lane & 31) == 0) wide_scratch[lane / 32] = Sums<double, 1>{{wide}};
+        __syncthreads();
+        st = finish_stats<kRms>(a, row, writer, 0.0, 0.0, merge_warp_sums(wide_scratch, warps));
+      }
+    } else {
+      const Sums<A, 2> m = warp_allreduce_32(Sums<A, 2>{{first, second}});
+      if ((lane & 31) == 0) scratch[parity][lane / 32] = ShiftedMoments<A>{warp_count, shift, m.v[0], m.v[1]};
+      __syncthreads();
+      RowMoments<A> mom = merge_shifted_moments([&](int i) { return scratch[parity][i]; }, warps, inv_cols);
+      if constexpr (kDouble) {
+        // The merged mean keeps an ulp or two of the warps' shifts (1.6 ulps where ATen's is 0.4, rows of 1000
+        // float64): the deviations from it, summed from the registers, correct it (a second barrier, float64 only).
+        const double row_shift = mom.centre + mom.rest;
+        double deviation = 0.0;
 #pragma unroll
         for (int p = 0; p < kPacks; ++p) {
           if (valid[p]) {
 #pragma unroll
-            for (int j = 0; j < kVec; ++j) {
-              const double d = static_cast<double>(h[p][j]) - static_cast<double>(shift);
-              first_sum += d;
-              second_sum += d * d;
-            }
+            for (int j = 0; j < kVec; ++j) deviation += h[p][j] - row_shift;
           }
         }
-      }
-    }
-    RowStats<A> st;
-    const bool writer = row_ok && lane == 0;
-    if constexpr (kRms) {
-      double squares = warp_allreduce(Sums<double, 1>{{second_sum}}, warp_lanes).v[0];
-      if (warps > 1) {
-        if ((lane & 31) == 0) scratch[parity][lane / 32] = Sums<double, 1>{{squares}};
+        deviation = warp_allreduce(Sums<double, 1>{{deviation}}, warp_lanes).v[0];
+        if ((lane & 31) == 0) deviations[parity][lane / 32] = Sums<double, 1>{{deviation}};
         __syncthreads();
-        squares = merge_warp_sums(scratch[parity], warps);
-      }
-      st = finish_stats<kRms>(a, row, writer, A(0), 0.0, squares * a.inv_cols);
-    } else {
-      const Sums<double, 2> m = warp_allreduce(Sums<double, 2>{{first_sum, second_sum}}, warp_lanes);
-      const double rest = m.v[0] * inv_warp_count;  // mean(d): what the shift lacks of the warp's mean
-      if (warps == 0 || warps == 1) {
-        st = finish_stats<kRms>(a, row, writer, shift, rest, m.v[1] * a.inv_cols - rest * rest);
+        const double correction = merge_warp_sums(deviations[parity], warps) * a.inv_cols;  // small: 1/cols rounded is enough
+        if (correction - correction == 0.0) mom = RowMoments<A>{row_shift, correction, mom.m2};  // a non-finite row keeps its merged mean (inf, NaN)
+        st = finish_stats<kRms>(a, row, writer, mom.centre, mom.rest, mom.m2);
+      } else if (moments_finite(mom.m2)) {
+        st = finish_stats<kRms>(a, row, writer, mom.centre, mom.rest, mom.m2);
       } else {
+        cold_path();
+        double first_wide, second_wide;
+        wide_sums(first_wide, second_wide);
+        const Sums<double, 2> wide = warp_allreduce(Sums<double, 2>{{first_wide, second_wide}}, 32);
         if ((lane & 31) == 0) {
-          scratch[parity][lane / 32] = WarpMoments{warp_count, static_cast<double>(shift) + rest, m.v[1] - m.v[0] * rest};
+          wide_scratch[lane / 32] = ShiftedMoments<double>{static_cast<double>(warp_count), static_cast<double>(shift),
+                                                           wide.v[0], wide.v[1]};
         }
         __syncthreads();
-        double mean, m2;
-        merge_warp_moments(scratch[parity], warps, a.inv_cols, mean, m2);
-        const A row_shift = static_cast<A>(mean);
-        double mean_rest = mean - static_cast<double>(row_shift);
-        if constexpr (std::is_same_v<A, double>) {
-          // The merged mean keeps an ulp or two of the warps' means (1.6 ulps where ATen's is 0.4, rows of 1000
-          // float64): the deviations from it, summed from the registers, correct it (a second barrier, float64 only).
-          double deviation = 0.0;
-#pragma unroll
-          for (int p = 0; p < kPacks; ++p) {
-            if (valid[p]) {
-#pragma unroll
-              for (int j = 0; j < kVec; ++j) deviation += h[p][j] - row_shift;
-            }
-          }
-          deviation = warp_allreduce(Sums<double, 1>{{deviation}}, warp_lanes).v[0];
-          if ((lane & 31) == 0) deviations[parity][lane / 32] = Sums<double, 1>{{deviation}};
-          __syncthreads();
-          const double correction = merge_warp_sums(deviations[parity], warps) * a.inv_cols;  // small: 1/cols rounded is enough
-          if (correction - correction == 0.0) mean_rest = correction;  // a non-finite row keeps its merged mean (inf, NaN)
-        }
-        st = finish_stats<kRms>(a, row, writer, row_shift, mean_rest, m2 * a.inv_cols);
+        const RowMoments<double> w = merge_shifted_moments([&](int i) { return wide_scratch[i]; }, warps, a.inv_cols);
+        st = finish_stats<kRms>(a, row, writer, w.centre, w.rest, w.m2);
       }
     }
     parity ^= 1;  // the next row's round writes the other half: no second barrier
@@ -470,10 +519,12 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
 // Statistics of float and half rows, kept in float per thread: each thread sums about a shift of its own (its
 // first pack's mean) the packs' sum(d) and sum(d^2), d = h - shift (RMSNorm: sum(h^2)); a chunk's four packs are
 // added as a tree and the chunks merged pairwise (PairwiseMerge: the running float sums of hundreds of packs
-// drifted by tens of ulps). Then in double: recentred on lane 0's shift, added over the warp with butterflies,
-// one shared-memory round (double-buffered by row parity: the row's one barrier, a cluster barrier on a cluster)
-// and merged without a division (merge_shifted_moments; RMSNorm: merge_parts_sum), every thread reading the
-// states of all the row's warps (on a cluster through distributed shared memory: cluster_shared). float64 rows
+// drifted by tens of ulps). Then, still in float: recentred on lane 0's shift, added over the warp with
+// butterflies, one shared-memory round (double-buffered by row parity: the row's one barrier, a cluster barrier on
+// a cluster) and merged without a division (merge_shifted_moments; RMSNorm: merge_parts_sum), every thread reading
+// the states of all the row's warps (on a cluster through distributed shared memory: cluster_shared). A row whose
+// float statistics overflowed (or that holds an infinity or NaN) takes the same steps again in double, with a
+// second barrier, from the threads' sums (those chunks that overflowed float were summed in double). float64 rows
 // (never on a cluster): per-pack Welford states in double merged pairwise, a Welford all-reduce (two barriers).
 // kQuant: pass 2 twice, for the absmax of a dynamic scale, then for the codes.
 constexpr int kLongChunk = 4;
@@ -481,7 +532,7 @@ constexpr int kLongChunk = 4;
 // scratch, the quantized output's absmax scratch) and the double-buffered warps' states that open its dynamic
 // shared memory.
 constexpr size_t kLongStaticShared = (sizeof(Welford<double>) + sizeof(AbsMax)) * (kMaxRowThreads / 32);
-constexpr size_t kLongScratchBytes = 2 * (sizeof(ShiftedMoments) + sizeof(AbsMax)) * (kMaxRowThreads / 32);
+constexpr size_t kLongScratchBytes = 2 * (sizeof(ShiftedMoments<double>) + sizeof(AbsMax)) * (kMaxRowThreads / 32);
 
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, typename... Quant>
 __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArgs<acc_t<Th>> a, bool staged,
@@ -492,14 +543,18 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
   constexpr int kChunk = kLongChunk;
   constexpr int kWarps = kMaxRowThreads / 32;
   using DoubleStat = std::conditional_t<kRms, Sums<double, 1>, Welford<double>>;  // float64 rows
-  using WarpStat = std::conditional_t<kRms, Sums<double, 1>, ShiftedMoments>;     // the others
+  using S = std::conditional_t<kDouble, float, A>;                                 // the others' statistics
+  using WarpStat = std::conditional_t<kRms, Sums<S, 1>, ShiftedMoments<S>>;
+  using WideStat = std::conditional_t<kRms, Sums<double, 1>, ShiftedMoments<double>>;  // their slow path
   using ThreadSums = Sums<A, kRms ? 1 : 2>;
-  static_assert((sizeof(WarpStat) + sizeof(AbsMax)) * 2 * kWarps <= kLongScratchBytes, "the warps' states");
+  constexpr size_t kAbsMaxOffset = 2 * sizeof(ShiftedMoments<double>) * kWarps;
+  static_assert((2 * sizeof(WarpStat) + sizeof(WideStat)) * kWarps <= kAbsMaxOffset, "the warps' states");
+  static_assert(kAbsMaxOffset + 2 * sizeof(AbsMax) * kWarps <= kLongScratchBytes, "the warps' absmax");
   __shared__ DoubleStat double_scratch[kDouble ? kWarps : 1];
   LNX_DYNAMIC_SHARED(shared_bytes);
   WarpStat (*warp_scratch)[kWarps] = reinterpret_cast<WarpStat(*)[kWarps]>(shared_bytes);
-  AbsMax (*warp_absmax)[kWarps] =
-      reinterpret_cast<AbsMax(*)[kWarps]>(shared_bytes + 2 * sizeof(ShiftedMoments) * kWarps);
+  WideStat* wide_scratch = reinterpret_cast<WideStat*>(shared_bytes + 2 * sizeof(WarpStat) * kWarps);
+  AbsMax (*warp_absmax)[kWarps] = reinterpret_cast<AbsMax(*)[kWarps]>(shared_bytes + kAbsMaxOffset);
   RawPack<Th, kVec>* stage = reinterpret_cast<RawPack<Th, kVec>*>(shared_bytes + kLongScratchBytes);
   const int lanes = a.lanes;  // threads per row
   const int threads = kMaxRowThreads;
@@ -554,6 +609,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
     A shift = A(0);
     PairwiseMerge<ThreadSums, kDouble ? 0 : 6> sums;
     double wide_first = 0.0, wide_second = 0.0;  // chunks whose float squares overflowed, summed in double
+    bool went_wide = false;
     PairwiseMerge<DoubleStat, kDouble ? 4 : 0> welford;  // float64 rows: each pack's state, merged pairwise
     for (int64_t first = me, slot = threadIdx.x; first < a.units; first += chunk_step, slot += slot_step) {
       bool valid[kChunk];
@@ -636,6 +692,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
             }
           }
           chunk = ThreadSums{};
+          went_wide = true;
         }
         sums.add(chunk);
       }
@@ -651,40 +708,59 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
     if constexpr (kDouble) {
       const DoubleStat s = row_allreduce(welford.total(), lanes, double_scratch);
       if constexpr (kRms) {
-        st = finish_stats<kRms>(a, row, writer, A(0), 0.0, s.v[0] * a.inv_cols);
+        st = finish_stats<kRms>(a, row, writer, 0.0, 0.0, s.v[0]);
       } else {
-        const A row_shift = static_cast<A>(s.mean);
-        st = finish_stats<kRms>(a, row, writer, row_shift, s.mean - static_cast<double>(row_shift), s.m2 * a.inv_cols);
+        st = finish_stats<kRms>(a, row, writer, s.mean, 0.0, s.m2);
       }
     } else {
       const ThreadSums total = sums.total();
-      double first_sum = (kRms ? 0.0 : static_cast<double>(total.v[0])) + wide_first;
-      double second_sum = static_cast<double>(total.v[kRms ? 0 : 1]) + wide_second;
-      // The row's warps' states: those of block c at cluster_shared(warp_scratch[parity], c), warp w of the
-      // block at index w (warp c * kWarps + w of the row).
-      const WarpStat* const states = warp_scratch[parity];
-      auto row_warp = [&](int i) {
+      // The warps' states of the row: those of block c at cluster_shared(states, c), warp w of the block at
+      // index w (warp c * kWarps + w of the row).
+      auto row_warp = [&](const auto* states, int i) {
         return cluster == 1 ? states[i] : cluster_shared(states, static_cast<unsigned>(i / kWarps))[i % kWarps];
       };
+      const int parts = lanes / 32;
+      const bool lane0 = (threadIdx.x & 31) == 0;
+      // A chunk whose float squares overflowed makes the row's float statistics infinite: the slow path, in double.
+      const S overflowed = went_wide ? std::numeric_limits<S>::infinity() : S(0);
       if constexpr (kRms) {
-        const double squares = warp_allreduce(Sums<double, 1>{{second_sum}}, 32).v[0];
-        if ((threadIdx.x & 31) == 0) warp_scratch[parity][threadIdx.x / 32] = Sums<double, 1>{{squares}};
+        const S squares = warp_allreduce(Sums<S, 1>{{total.v[0] + overflowed}}, 32).v[0];
+        if (lane0) warp_scratch[parity][threadIdx.x / 32] = Sums<S, 1>{{squares}};
         row_barrier();
-        const double total = merge_parts_sum([&](int i) { return row_warp(i).v[0]; }, lanes / 32);
-        st = finish_stats<kRms>(a, row, writer, A(0), 0.0, total * a.inv_cols);
+        const S sum = merge_parts_sum<S>([&](int i) { return row_warp(warp_scratch[parity], i).v[0]; }, parts);
+        if (moments_finite(sum)) {
+          st = finish_stats<kRms>(a, row, writer, S(0), S(0), sum);
+        } else {
+          cold_path();
+          const double wide = warp_allreduce(Sums<double, 1>{{static_cast<double>(total.v[0]) + wide_second}}, 32).v[0];
+          if (lane0) wide_scratch[threadIdx.x / 32] = Sums<double, 1>{{wide}};
+          row_barrier();
+          const double wide_sum = merge_parts_sum<double>([&](int i) { return row_warp(wide_scratch, i).v[0]; }, parts);
+          st = finish_stats<kRms>(a, row, writer, 0.0, 0.0, wide_sum);
+        }
       } else {
         const A centre = __shfl_sync(0xffffffffu, shift, 0);
-        recentre(static_cast<double>(thread_packs * kVec), static_cast<double>(shift), static_cast<double>(centre),
-                 first_sum, second_sum);
-        const Sums<double, 2> m = warp_allreduce(Sums<double, 2>{{first_sum, second_sum}}, 32);
-        if ((threadIdx.x & 31) == 0) {
-          warp_scratch[parity][threadIdx.x / 32] = ShiftedMoments{warp_values, static_cast<double>(centre), m.v[0], m.v[1]};
-        }
+        S first_sum = total.v[0], second_sum = total.v[1] + overflowed;
+        recentre<S>(static_cast<S>(thread_packs * kVec), shift, centre, first_sum, second_sum);
+        const Sums<S, 2> m = warp_allreduce(Sums<S, 2>{{first_sum, second_sum}}, 32);
+        if (lane0) warp_scratch[parity][threadIdx.x / 32] = ShiftedMoments<S>{static_cast<S>(warp_values), centre, m.v[0], m.v[1]};
         row_barrier();
-        double mean, m2;
-        merge_shifted_moments(row_warp, lanes / 32, a.inv_cols, mean, m2);
-        const A row_shift = static_cast<A>(mean);
-        st = finish_stats<kRms>(a, row, writer, row_shift, mean - static_cast<double>(row_shift), m2 * a.inv_cols);
+        const RowMoments<S> mom = merge_shifted_moments(
+            [&](int i) { return row_warp(warp_scratch[parity], i); }, parts, static_cast<S>(a.inv_cols));
+        if (moments_finite(mom.m2)) {
+          st = finish_stats<kRms>(a, row, writer, mom.centre, mom.rest, mom.m2);
+        } else {
+          cold_path();
+          double first_wide = static_cast<double>(total.v[0]) + wide_first;
+          double second_wide = static_cast<double>(total.v[1]) + wide_second;
+          recentre<double>(static_cast<double>(thread_packs * kVec), shift, centre, first_wide, second_wide);
+          const Sums<double, 2> w = warp_allreduce(Sums<double, 2>{{first_wide, second_wide}}, 32);
+          if (lane0) wide_scratch[threadIdx.x / 32] = ShiftedMoments<double>{warp_values, centre, w.v[0], w.v[1]};
+          row_barrier();
+          const RowMoments<double> wide = merge_shifted_moments(
+              [&](int i) { return row_warp(wide_scratch, i); }, parts, a.inv_cols);
+          st = finish_stats<kRms>(a, row, writer, wide.centre, wide.rest, wide.m2);
+        }
       }
       parity ^= 1;  // the next row's round writes the other half: no second barrier (every thread of the cluster
                     // has read this half before it reaches the next row's barrier)

@@ -221,6 +221,23 @@ __device__ __forceinline__ Sums<A, K> combine(const Sums<A, K>& x, const Sums<A,
   return r;
 }
 
+// A LayerNorm warp's sum(d) in the compute type and sum(d^2) in S2 (double where no second round can follow).
+template <typename S1, typename S2>
+struct SumPair {
+  S1 s1;
+  S2 s2;
+};
+
+template <typename S1, typename S2>
+__device__ __forceinline__ SumPair<S1, S2> combine(const SumPair<S1, S2>& x, const SumPair<S1, S2>& y) {
+  return {x.s1 + y.s1, x.s2 + y.s2};
+}
+
+template <typename S1, typename S2>
+__device__ __forceinline__ SumPair<S1, S2> shfl_xor(const SumPair<S1, S2>& s, int offset) {
+  return {__shfl_xor_sync(0xffffffffu, s.s1, offset), __shfl_xor_sync(0xffffffffu, s.s2, offset)};
+}
+
 template <typename A>
 __device__ __forceinline__ Welford<A> shfl_xor(const Welford<A>& s, int offset) {
   return {__shfl_xor_sync(0xffffffffu, s.n, offset), __shfl_xor_sync(0xffffffffu, s.mean, offset),
@@ -246,13 +263,27 @@ __device__ __forceinline__ AbsMax shfl_xor(const AbsMax& s, int offset) {
   return {__shfl_xor_sync(0xffffffffu, s.v, offset)};
 }
 
-// Butterfly all-reduce over `width` lanes (a power of two up to 32, aligned inside the warp); no barrier.
+// Butterfly all-reduce over `width` lanes (a power of two up to 32, aligned inside the warp); no barrier. A
+// run-time width is a loop of 7 instructions a step (sm_90); unrolled under predicates instead, it took 16 more
+// registers in the bfloat16 LayerNorm forward (80 -> 96).
 template <typename Stat>
 __device__ __forceinline__ Stat warp_allreduce(Stat s, int width) {
   for (int offset = 1; offset < width; offset <<= 1) {
     const Stat other = shfl_xor(s, offset);
     const bool upper = (threadIdx.x & offset) != 0;
     s = upper ? combine(other, s) : combine(s, other);
+  }
+  return s;
+}
+
+// The same over a whole warp, unrolled: where the width is 32 on one side of a run-time branch, the compiler
+// merged the two calls into the loop.
+template <typename Stat>
+__device__ __forceinline__ Stat warp_allreduce_32(Stat s) {
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const Stat other = shfl_xor(s, offset);
+    s = (threadIdx.x & offset) != 0 ? combine(other, s) : combine(s, other);
   }
   return s;
 }
@@ -324,11 +355,6 @@ struct PairwiseMerge {
   }
 };
 
-// Moments of one warp's part of a row, in double: its count, mean and sum of squared deviations from that mean.
-struct WarpMoments {
-  double n, mean, m2;
-};
-
 // Smallest power of two >= v (v <= 32).
 __device__ __forceinline__ int pow2_at_least(int v) {
   int p = 1;
@@ -336,26 +362,14 @@ __device__ __forceinline__ int pow2_at_least(int v) {
   return p;
 }
 
-// The row's mean and M2 from its `warps` warps' moments in shared memory (Chan's merge for many parts at once:
-// M2 = sum of (m2_w + n_w (mean_w - mean)^2)). Lane w of each group of `width` lanes takes warp w's moments
-// and the group adds them with butterflies: every thread gets the same bits, and a row costs one barrier (the
-// caller's, before).
-__device__ __forceinline__ void merge_warp_moments(const WarpMoments* scratch, int warps, double inv_cols,
-                                                   double& mean, double& m2) {
-  const int width = pow2_at_least(warps);
-  const int part = threadIdx.x & (width - 1);  // each group of `width` lanes adds all the warps' parts
-  const bool mine = part < warps;
-  const WarpMoments w = mine ? scratch[part] : WarpMoments{0.0, 0.0, 0.0};
-  mean = warp_allreduce(Sums<double, 1>{{w.n * w.mean}}, width).v[0] * inv_cols;
-  const double dev = w.mean - mean;
-  m2 = warp_allreduce(Sums<double, 1>{{mine ? w.m2 + w.n * dev * dev : 0.0}}, width).v[0];  // absent warps: no 0 * inf
-}
-
-// The row's sum from its `warps` warps' sums in shared memory, the same way (one barrier, the caller's).
-__device__ __forceinline__ double merge_warp_sums(const Sums<double, 1>* scratch, int warps) {
+// The row's sum from its `warps` warps' sums in shared memory: lane w of each group of pow2(warps) lanes takes
+// warp w's and the group adds them with butterflies, a fixed order that gives every thread the same bits (one
+// barrier, the caller's, before).
+template <typename S>
+__device__ __forceinline__ S merge_warp_sums(const Sums<S, 1>* scratch, int warps) {
   const int width = pow2_at_least(warps);
   const int part = threadIdx.x & (width - 1);
-  return warp_allreduce(Sums<double, 1>{{part < warps ? scratch[part].v[0] : 0.0}}, width).v[0];
+  return warp_allreduce(Sums<S, 1>{{part < warps ? scratch[part].v[0] : S(0)}}, width).v[0];
 }
 
 // All-reduce over the `lanes` threads of one row with at most one barrier: butterflies inside the warp, then
@@ -378,52 +392,81 @@ __device__ __forceinline__ Stat row_allreduce_one_barrier(Stat s, int lanes, Sta
   return s;
 }
 
-// A part of a row (a thread's values, a warp's) as sums about a shift of its own: its count, the shift, and the
-// sums of d = h - shift and of d^2, in double. Parts with different shifts merge without a division
-// (merge_shifted_moments): the long forward's float statistics, each thread's about its own first values.
+// A part of a row (a thread's values, a warp's) as sums about a shift of its own: its count, the shift (a value
+// of the rows' compute type), and the sums of d = h - shift and of d^2, in S. Parts with different shifts merge
+// without a division (merge_shifted_moments). S is float for float and half rows: the sums of a row that
+// overflow it (|d| beyond ~1.8e19, or an infinity or NaN held) are taken again in double, the row's slow path.
+template <typename S>
 struct ShiftedMoments {
-  double n, shift, s1, s2;
+  S n, shift, s1, s2;
 };
 
 // The sums of n values about `shift` (s1 = sum(d), s2 = sum(d^2)) recentred on `centre`, exactly as algebra:
 // with delta = shift - centre, sum(d + delta) = s1 + n delta and sum((d + delta)^2) = s2 + delta (s1 + s1').
-__device__ __forceinline__ void recentre(double n, double shift, double centre, double& s1, double& s2) {
-  const double delta = shift - centre;
-  const double moved = s1 + n * delta;
+template <typename S>
+__device__ __forceinline__ void recentre(S n, S shift, S centre, S& s1, S& s2) {
+  const S delta = shift - centre;
+  const S moved = s1 + n * delta;
   s2 += delta * (s1 + moved);
   s1 = moved;
 }
 
-// The row's mean and M2 from `parts` ShiftedMoments, part(i) for i < parts: mean = sum(n shift + s1) / cols,
-// M2 = sum(s2 + dev (2 s1 + n dev)) with dev = shift - mean. Up to 32 parts, lane w of each group of pow2(parts)
-// lanes takes part w; beyond, lane l of the warp parts l, l + 32, ... in turn; the lanes add with butterflies:
-// every thread gets the same bits. One barrier per row (the caller's, before).
-template <typename Part>
-__device__ __forceinline__ void merge_shifted_moments(Part part, int parts, double inv_cols, double& mean, double& m2) {
+// A row's mean as centre + rest (centre: a value of the row, near the mean; rest: what it lacks, small) and its
+// sum of squared deviations from the mean, M2.
+template <typename S>
+struct RowMoments {
+  S centre, rest, m2;
+};
+
+// The row's moments from `parts` ShiftedMoments, part(i) for i < parts, about part 0's shift (the centre):
+// rest = sum(n (shift - centre) + s1) / cols, M2 = sum(s2 + dev (2 s1 + n dev)) with dev = shift - centre - rest.
+// Up to 32 parts, lane w of each group of pow2(parts) lanes takes part w; beyond, lane l of the warp parts l,
+// l + 32, ... in turn; the lanes add with butterflies: every thread gets the same bits. One barrier per row
+// (the caller's, before).
+template <typename S, typename Part>
+__device__ __forceinline__ RowMoments<S> merge_shifted_moments(Part part, int parts, S inv_cols) {
   const int width = parts < 32 ? pow2_at_least(parts) : 32;
   const int first = threadIdx.x & (width - 1);
-  double total = 0.0;
+  const S centre = part(0).shift;
+  S total = S(0);
   for (int i = first; i < parts; i += width) {
-    const ShiftedMoments w = part(i);
-    total += w.n * w.shift + w.s1;
+    const ShiftedMoments<S> w = part(i);
+    total += w.n * (w.shift - centre) + w.s1;
   }
-  mean = warp_allreduce(Sums<double, 1>{{total}}, width).v[0] * inv_cols;
-  double deviations = 0.0;  // absent parts add nothing (no 0 * inf)
+  const S rest = warp_allreduce(Sums<S, 1>{{total}}, width).v[0] * inv_cols;
+  S deviations = S(0);  // absent parts add nothing (no 0 * inf)
   for (int i = first; i < parts; i += width) {
-    const ShiftedMoments w = part(i);
-    const double dev = w.shift - mean;
-    deviations += w.s2 + dev * (2.0 * w.s1 + w.n * dev);
+    const ShiftedMoments<S> w = part(i);
+    const S dev = (w.shift - centre) - rest;
+    deviations += w.s2 + dev * (S(2) * w.s1 + w.n * dev);
   }
-  m2 = warp_allreduce(Sums<double, 1>{{deviations}}, width).v[0];
+  return {centre, rest, warp_allreduce(Sums<S, 1>{{deviations}}, width).v[0]};
 }
 
 // The row's sum from `parts` sums part(i), the same way.
-template <typename Part>
-__device__ __forceinline__ double merge_parts_sum(Part part, int parts) {
+template <typename S, typename Part>
+__device__ __forceinline__ S merge_parts_sum(Part part, int parts) {
   const int width = parts < 32 ? pow2_at_least(parts) : 32;
-  double total = 0.0;
+  S total = S(0);
   for (int i = threadIdx.x & (width - 1); i < parts; i += width) total += part(i);
-  return warp_allreduce(Sums<double, 1>{{total}}, width).v[0];
+  return warp_allreduce(Sums<S, 1>{{total}}, width).v[0];
+}
+
+// Opens the path a row takes only when its float statistics overflowed (or it holds an infinity or NaN): a
+// performance-monitor trigger (SASS PMTRIG, no effect on the results), by which a profile and the kernel audit
+// (benchmarks/kernel_audit.py, which measures the hot path) tell the slow path from the hot one.
+__device__ __forceinline__ void cold_path() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("pmevent 0;");
+#endif
+}
+
+// Whether float statistics held: a sum that overflowed float (or an infinity or NaN of the row) leaves M2 not
+// finite, and the row's statistics are taken again in double (a branch that every thread of the row takes alike:
+// they all hold the same bits).
+template <typename S>
+__device__ __forceinline__ bool moments_finite(S m2) {
+  return !std::is_same_v<S, float> || m2 <= std::numeric_limits<float>::max();
 }
 
 // ---- thread-block clusters (sm_90) ----------------------------------------------------------------------
