@@ -126,3 +126,13 @@ def assert_no_worse_than_aten(
     c = compare(ours, aten, reference, what, slack)
     assert c.err_ours == c.err_ours, f"{what}: NaN in our result"
     assert c.ok, f"{what}: our max error {c.err_ours:.3e} > ATen's {c.err_aten:.3e} + {c.atol:.3e}"
+
+
+def compiled_and_eager(step, args: tuple, backend: str) -> tuple:
+    """step(*args) under torch.compile(fullgraph=True) with `backend`, then eagerly: (compiled, eager); dynamo
+    reset before and after the compile."""
+    eager = step(*args)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    return compiled, eager

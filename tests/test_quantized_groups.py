@@ -15,6 +15,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import layernorm_ext as L
+from conftest import compiled_and_eager
 from test_inference_ops import _args
 from test_inference_ops import _functional as _unquantized
 from test_quantized import (BF16, DTYPES, FNS, I8, MIN_SCALE, QMAX, QUANT_DTYPES, QUANT_IDS, _SHORT, _quantized,
@@ -230,10 +231,7 @@ def test_group_quant_compiles_fullgraph(backend: str) -> None:
         return q.view(torch.uint8), s, h
 
     x, r = torch.randn(4, 256).bfloat16(), torch.randn(4, 256).bfloat16()
-    eager = step(x, r)
-    torch._dynamo.reset()
-    got = torch.compile(step, backend=backend, fullgraph=True)(x, r)
-    torch._dynamo.reset()
+    got, eager = compiled_and_eager(step, (x, r), backend)
     for g, e, name in zip(got, eager, ("codes", "scales", "h"), strict=True):
         assert torch.equal(g, e) and g.stride() == e.stride(), name
 

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import layernorm_ext as L
+from conftest import compiled_and_eager
 from test_inference_ops import _args
 from test_quantized import _quantized
 from test_quantized_groups import refused_alike
@@ -179,10 +180,7 @@ def test_swizzled_quant_compiles_fullgraph(backend: str) -> None:
         return q.view(U8), s.view(U8), h
 
     x, r = torch.randn(130, 256).bfloat16(), torch.randn(130, 256).bfloat16()
-    eager = step(x, r)
-    torch._dynamo.reset()
-    got = torch.compile(step, backend=backend, fullgraph=True)(x, r)
-    torch._dynamo.reset()
+    got, eager = compiled_and_eager(step, (x, r), backend)
     for g, e, name in zip(got, eager, ("codes", "scales", "h"), strict=True):
         assert torch.equal(g, e) and g.shape == e.shape, name
 

@@ -442,6 +442,26 @@ void reduce_partials(const NormBackwardParams& p, const double* partial, int64_t
   });
 }
 
+// The dweight / dbias partials of a backward: `chunks` rows of cols doubles each, zeroed (nullptr where that
+// gradient is not wanted); finish() sums them in chunk order into the gradients.
+struct ParameterPartials {
+  ScratchLease<double, kDweightSlot> dweight_scratch;
+  ScratchLease<double, kDbiasSlot> dbias_scratch;
+  double* dweight;
+  double* dbias;
+  int64_t chunks;
+
+  ParameterPartials(const NormBackwardParams& p, int64_t chunk_count)
+      : dweight(p.grad_weight != nullptr ? dweight_scratch.zeroed(chunk_count * p.cols) : nullptr),
+        dbias(p.grad_bias != nullptr ? dbias_scratch.zeroed(chunk_count * p.cols) : nullptr),
+        chunks(chunk_count) {}
+
+  void finish(const NormBackwardParams& p) const {
+    if (dweight != nullptr) reduce_partials(p, dweight, chunks, p.grad_weight);
+    if (dbias != nullptr) reduce_partials(p, dbias, chunks, p.grad_bias);
+  }
+};
+
 // Channels-first rows: tasks of kColumnPixels pixels of one image, in at most kMaxChunks chunks of consecutive
 // tasks (shape only), each chunk's terms into its own double partial.
 void backward_columns_with(const NormBackwardParams& p, const RowKernels& k, const BackwardRows& a) {
@@ -451,10 +471,9 @@ void backward_columns_with(const NormBackwardParams& p, const RowKernels& k, con
   const int64_t tasks = p.rows / p.plane * blocks;
   const int64_t chunk_tasks = (tasks + kMaxChunks - 1) / kMaxChunks;
   const int64_t chunks = (tasks + chunk_tasks - 1) / chunk_tasks;
-  ScratchLease<double, kDweightSlot> dweight_scratch;
-  ScratchLease<double, kDbiasSlot> dbias_scratch;
-  double* dweight_partial = p.grad_weight != nullptr ? dweight_scratch.zeroed(chunks * cols) : nullptr;
-  double* dbias_partial = p.grad_bias != nullptr ? dbias_scratch.zeroed(chunks * cols) : nullptr;
+  const ParameterPartials partials(p, chunks);
+  double* const dweight_partial = partials.dweight;
+  double* const dbias_partial = partials.dbias;
   at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     ScratchLease<double, kLaneSlot> lane_scratch;
     void* lanes = lane_scratch.get((cols * kColumnScratchBytes + 64) / static_cast<int64_t>(sizeof(double)) + 1);
@@ -467,8 +486,7 @@ void backward_columns_with(const NormBackwardParams& p, const RowKernels& k, con
       }
     }
   });
-  if (dweight_partial != nullptr) reduce_partials(p, dweight_partial, chunks, p.grad_weight);
-  if (dbias_partial != nullptr) reduce_partials(p, dbias_partial, chunks, p.grad_bias);
+  partials.finish(p);
 }
 
 // dweight / dbias: each block of <= kBlockRows rows adds into a block partial of P (the row kernels' compute
@@ -483,10 +501,9 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
       std::clamp<int64_t>(std::min({kMaxChunks, rows / kMinChunkRows, kMaxPartialElems / cols}), 1, rows);
   const int64_t chunk_rows = (rows + chunks_wanted - 1) / chunks_wanted;
   const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
-  ScratchLease<double, kDweightSlot> dweight_scratch;
-  ScratchLease<double, kDbiasSlot> dbias_scratch;
-  double* dweight_partial = p.grad_weight != nullptr ? dweight_scratch.zeroed(chunks * cols) : nullptr;
-  double* dbias_partial = p.grad_bias != nullptr ? dbias_scratch.zeroed(chunks * cols) : nullptr;
+  const ParameterPartials partials(p, chunks);
+  double* const dweight_partial = partials.dweight;
+  double* const dbias_partial = partials.dbias;
 
   // Columns [c0, c1) of the block partials (dweight, dbias) added into the chunk's double partials and zeroed.
   auto move_into_chunk = [&](int64_t chunk, P* bw, P* bb, int64_t c0, int64_t c1) {
@@ -550,8 +567,7 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
     });
   }
 
-  if (dweight_partial != nullptr) reduce_partials(p, dweight_partial, chunks, p.grad_weight);
-  if (dbias_partial != nullptr) reduce_partials(p, dbias_partial, chunks, p.grad_bias);
+  partials.finish(p);
 }
 
 }  // namespace
