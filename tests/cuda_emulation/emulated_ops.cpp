@@ -159,14 +159,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          double eps, at::ScalarType quant_dtype, const OptTensor& scale, const OptTensor& scale_ub,
          const OptTensor& residual) {
         return layernorm_ext::layer_norm_quant(input, sym(shape), weight, bias, eps, quant_dtype, scale, scale_ub,
-                                               residual, false, 0.0, false, 0, false, std::nullopt, forward);
+                                               residual, false, 0.0, false, 0, false, std::nullopt, false, forward);
       });
   m.def(
       "rms_norm_quant",
       [](const Tensor& input, const std::vector<int64_t>& shape, const OptTensor& weight, std::optional<double> eps,
          at::ScalarType quant_dtype, const OptTensor& scale, const OptTensor& scale_ub, const OptTensor& residual) {
         return layernorm_ext::rms_norm_quant(input, sym(shape), weight, eps, quant_dtype, scale, scale_ub, residual,
-                                             false, 0.0, false, 0, false, std::nullopt, forward);
+                                             false, 0.0, false, 0, false, std::nullopt, false, forward);
       });
   m.def("add_layer_norm_", [](const Tensor& input, const Tensor& residual, const std::vector<int64_t>& shape,
                               const OptTensor& weight, const OptTensor& bias, double eps) {
