@@ -203,9 +203,6 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     }
     check_group_size(op, normalized_shape, group_size, quant->scale.has_value(), quant->scales_column_major,
                      quant->scales_swizzled, scales_dtype, quant->dtype);
-    TORCH_CHECK_NOT_IMPLEMENTED(group_size == 0 || input_arg.is_cpu(), op,
-                                nvfp4 ? ": NVFP4 codes (float4_e2m1fn_x2)" : ": group_size (per-group scales)",
-                                " has a CPU kernel only so far, but got an input on ", input_arg.device());
   }
   // One scale per row, shaped as the rows with 1 for each normalized dim: it broadcasts against the codes; per
   // group, shaped as the rows and then the groups (vLLM's). (Only the quantized ops have scales.)
@@ -527,13 +524,15 @@ class PackedRows {
     rows = copies_.back().data_ptr();
     layout = RowLayout::packed(cols_);
   }
-  // An operand the kernels write: a contiguous tensor, copied into place by write_back().
-  void write(void*& rows, RowLayout& layout, ScalarType dtype) {
-    if (rows == nullptr || layout.is_packed(cols_)) return;
-    Tensor target = view(rows, layout, dtype);
+  // An operand the kernels write: a contiguous tensor, copied into place by write_back(). cols: its elements per
+  // row where they are not the rows' (NVFP4 codes: a byte per two columns).
+  void write(void*& rows, RowLayout& layout, ScalarType dtype, int64_t cols = -1) {
+    cols = cols < 0 ? cols_ : cols;
+    if (rows == nullptr || layout.is_packed(cols)) return;
+    Tensor target = view(rows, layout, dtype, cols);
     copies_.push_back(at::empty(target.sizes(), target.options()));
     rows = copies_.back().data_ptr();
-    layout = RowLayout::packed(cols_);
+    layout = RowLayout::packed(cols);
     write_backs_.emplace_back(std::move(target), copies_.back());
   }
   void write_back() {
@@ -541,8 +540,8 @@ class PackedRows {
   }
 
  private:
-  Tensor view(const void* rows, const RowLayout& layout, ScalarType dtype) const {
-    return at::from_blob(const_cast<void*>(rows), {rows_ / layout.inner, layout.inner, cols_},
+  Tensor view(const void* rows, const RowLayout& layout, ScalarType dtype, int64_t cols = -1) const {
+    return at::from_blob(const_cast<void*>(rows), {rows_ / layout.inner, layout.inner, cols < 0 ? cols_ : cols},
                          {layout.outer_stride, layout.inner_stride, 1}, at::TensorOptions().dtype(dtype).device(device_));
   }
 
@@ -561,7 +560,8 @@ void launch_on_packed_rows(const NormForwardParams& p, ForwardLauncher launch) {
   rows.read(packed.residual, packed.residual_rows, p.residual_type);
   // out_rows is the codes' layout with a quantized output (bytes: only copied).
   if (p.codes != nullptr) {
-    rows.write(packed.codes, packed.out_rows, ScalarType::Byte);
+    const bool nvfp4 = p.quant_type == ScalarType::Float4_e2m1fn_x2;
+    rows.write(packed.codes, packed.out_rows, ScalarType::Byte, nvfp4 ? p.cols / 2 : p.cols);
   } else {
     rows.write(packed.out, packed.out_rows, p.input_type);
   }

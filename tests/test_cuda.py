@@ -587,6 +587,43 @@ def test_quantized_output_is_the_composite_of_the_functional_op(rms: bool, quant
     _same_bits(residual, want_h, "into: residual in place")
 
 
+@pytest.mark.parametrize("n", [64, 768, 5120, 65536])
+@pytest.mark.parametrize(("fmt", "group_size"), [("fp8", 128), ("int8-column_major", 64), ("mxfp8", 32),
+                                                 ("mxfp8-swizzled", 32), ("nvfp4", 16), ("nvfp4-swizzled", 16)])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_group_quantized_output_is_the_composite_of_the_functional_op(rms: bool, fmt: str, group_size: int,
+                                                                      n: int) -> None:
+    """Per-group fp8 / int8, MXFP8 and NVFP4 output (strided and swizzled scales) on the CUDA mappings: the composite
+    references of the CPU tests applied to the functional op's output, bit for bit, and no host sync."""
+    from test_cuda_emulation import _group_call, _group_reference, same_group_output
+
+    gen = torch.Generator(device=CUDA).manual_seed(n + group_size)
+    m = 33 if n < 65536 else 4
+    x, r = _cuda_randn(gen, m, n, dtype=BF16, shift=0.3), _cuda_randn(gen, m, n, dtype=BF16)
+    w, b = _cuda_randn(gen, n, dtype=BF16, scale=0.5, shift=1.0), _cuda_randn(gen, n, dtype=BF16, scale=0.2)
+    want, want_h = L.add_rms_norm(x, r, n, w) if rms else L.add_layer_norm(x, r, n, w, b)
+    kw = _group_call(fmt, group_size, want)
+
+    def run() -> tuple[Tensor, Tensor, Tensor]:
+        if rms:
+            return L.add_rms_norm_quant(x, r, n, w, **kw)
+        return L.add_layer_norm_quant(x, r, n, w, b, **kw)
+
+    run()  # outside the check: lazy init may sync
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        codes, scales, h = run()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    cpu_kw = {k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in kw.items()}
+    want_codes, want_scales = _group_reference(fmt, cpu_kw, want.cpu(), None)
+    same_group_output(codes.cpu(), want_codes, "codes")
+    same_group_output(scales.cpu(), want_scales, "scales")
+    _same_bits(h, want_h, "residual_out")
+
+
 # ---- no host synchronization ------------------------------------------------------------------------------
 
 

@@ -504,3 +504,114 @@ def test_emulated_backward_traffic(emulated: ModuleType, dtype: torch.dtype, rms
     dram = 2 * m * n * s + streams_in + m * n * s + 2 * buffers * parts * n * 4
     bound = m * n * s * (6 if residual else 5) + 8 * buffers * parts * n
     assert dram <= bound, f"{dram / (m * n):.2f} bytes per element, bound {bound / (m * n):.2f}"
+
+
+# ---- per-group, MX and NVFP4 output --------------------------------------------------------------------------
+# (cols, group_size) per mapping: sub-warp rows whose groups span several packs of each lane (64, 128 in bfloat16),
+# a warp, blocks, long rows staged in one block (20000) and on a cluster of 2 (40000).
+GROUP_NS = ((64, 64), (128, 16), (256, 32), (768, 128), (4096, 64), (5120, 32), (20000, 32), (40000, 16))
+GROUP_FORMATS = ("fp8", "int8-column_major", "mxfp8", "mx-e5m2", "nvfp4", "mxfp8-swizzled", "nvfp4-swizzled")
+
+
+def _group_call(fmt: str, group_size: int, y: Tensor) -> dict[str, Any]:
+    E8M0 = torch.float8_e8m0fnu
+    if fmt.startswith("nvfp4"):
+        kw: dict[str, Any] = {"quant_dtype": torch.float4_e2m1fn_x2, "group_size": 16,
+                              "scale": (448.0 * 6.0 / y.float().abs().nan_to_num(0.0).amax()).reshape(1)}
+    elif fmt.startswith("mx"):
+        kw = {"quant_dtype": torch.float8_e5m2 if "e5m2" in fmt else torch.float8_e4m3fn,
+              "group_size": 32 if fmt.startswith("mxfp8") else group_size, "scales_dtype": E8M0}
+    else:
+        kw = {"quant_dtype": torch.int8 if fmt.startswith("int8") else torch.float8_e4m3fn, "group_size": group_size,
+              "scales_column_major": "column_major" in fmt}
+    kw["scales_swizzled"] = "swizzled" in fmt
+    return kw
+
+
+def _group_reference(fmt: str, kw: dict[str, Any], y: Tensor, scale_ub: Tensor | None) -> tuple[Tensor, Tensor]:
+    from test_quantized_groups import reference_group_quant, reference_mx
+    from test_quantized_layouts import to_blocked
+    from test_quantized_nvfp4 import reference_nvfp4
+
+    if fmt.startswith("nvfp4"):
+        codes, scales = reference_nvfp4(y, kw["scale"])
+    elif fmt.startswith("mx"):
+        codes, scales = reference_mx(y, kw["group_size"], kw["quant_dtype"], scale_ub)
+    else:
+        codes, scales = reference_group_quant(y, kw["group_size"], kw["quant_dtype"], scale_ub)
+    return codes, (to_blocked(scales) if kw["scales_swizzled"] else scales)
+
+
+def same_group_output(got: Tensor, want: Tensor, what: str) -> None:
+    """Bit for bit: float4 codes and e8m0 scales as bytes (no NaN test for them), the others as _same_bits."""
+    from test_quantized import _same_bits
+
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype, got.shape, want.shape)
+    if got.dtype in (torch.float4_e2m1fn_x2, torch.float8_e8m0fnu):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), what
+    else:
+        _same_bits(got, want, what)
+
+
+@pytest.mark.parametrize("fmt", GROUP_FORMATS)
+@pytest.mark.parametrize(("n", "group_size"), GROUP_NS, ids=[f"n{n}g{g}" for n, g in GROUP_NS])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_emulated_group_quantized_output(
+    emulated: ModuleType, rms: bool, dtype: torch.dtype, n: int, group_size: int, fmt: str
+) -> None:
+    """Per-group fp8 / int8 scales (row- and column-major, capped), MX (e8m0) and NVFP4 block scales (strided and
+    swizzled) on every thread mapping (a group's absmax all-reduced over its lanes, and over a sub-warp lane's
+    packs): codes and scales are the composite of the emulated forward's own output, bit for bit."""
+    from test_quantized import _same_bits
+
+    gen = torch.Generator().manual_seed(n + group_size)
+    m = _rows(n)
+    x = (torch.randn(m, n, generator=gen) * 2 + 0.3).to(dtype)
+    x[0, n // 2] = float("nan")  # a NaN group: NaN scale (NVFP4: 0x7f; its codes +6)
+    r = torch.randn(m, n, generator=gen).to(dtype)
+    w = (torch.randn(n, generator=gen) * 0.5 + 1).to(dtype)
+    b = (torch.randn(n, generator=gen) * 0.2).to(dtype)
+    y, h = (emulated.rms_norm_fwd(x, [n], w, 1e-6, r, False)[:2] if rms
+            else emulated.layer_norm_fwd(x, [n], w, b, 1e-5, r, False)[:2])  # fmt: skip
+    kw = _group_call(fmt, group_size, y[1:])
+    scale_ub = None
+    if not fmt.startswith("nvfp4") and fmt != "mxfp8-swizzled":  # capped; the swizzled call checks the plain rule
+        scale_ub = torch.tensor([y[1:].float().abs().amax().item() * 0.7])
+    if rms:
+        codes, scales, got_h = emulated.rms_norm_quant(x, [n], w, 1e-6, scale=kw.pop("scale", None), scale_ub=scale_ub,
+                                                       residual=r, **kw)
+    else:
+        codes, scales, got_h = emulated.layer_norm_quant(x, [n], w, b, 1e-5, scale=kw.pop("scale", None),
+                                                         scale_ub=scale_ub, residual=r, **kw)
+    kw["scale"] = _group_call(fmt, group_size, y[1:]).get("scale")
+    want_codes, want_scales = _group_reference(fmt, kw, y, scale_ub)
+    same_group_output(codes, want_codes, "codes")
+    same_group_output(scales, want_scales, "scales")
+    if scales.dtype == torch.float32:
+        assert scales.stride() == ((1, m) if "column_major" in fmt else (n // group_size, 1))
+    _same_bits(got_h, h, "residual_out")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_emulated_group_quant_of_unaligned_rows(emulated: ModuleType, fmt: str) -> None:
+    """Rows at an odd storage offset take the element-wise kernels (a lane per element; NVFP4 pairs a lane's code
+    with its neighbour's by a shuffle); a group of more than 32 of their elements has no CUDA kernel: refused."""
+    m, n = 9, 768
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(m * n + 1, generator=gen).to(BF16)[1:].view(m, n)
+    w = (torch.randn(n, generator=gen) * 0.5 + 1).to(BF16)
+    y = emulated.rms_norm_fwd(x, [n], w, 1e-6, None, False)[0]
+    kw = _group_call(fmt, 16 if fmt == "nvfp4" else 32, y)
+    codes, scales, _ = emulated.rms_norm_quant(x, [n], w, 1e-6, scale=kw.pop("scale", None), scale_ub=None,
+                                               residual=None, **kw)
+    kw["scale"] = _group_call(fmt, 16, y).get("scale")
+    want_codes, want_scales = _group_reference(fmt, kw, y, None)
+    same_group_output(codes, want_codes, "codes")
+    same_group_output(scales, want_scales, "scales")
+    with pytest.raises(NotImplementedError, match="power of two and at most 32 times"):
+        emulated.rms_norm_quant(x, [n], w, 1e-6, quant_dtype=torch.float8_e4m3fn, scale=None, scale_ub=None,
+                                residual=None, group_size=128)
+    with pytest.raises(NotImplementedError, match="power of two"):
+        emulated.rms_norm_quant(x.contiguous(), [n], w, 1e-6, quant_dtype=torch.float8_e4m3fn, scale=None,
+                                scale_ub=None, residual=None, group_size=96)

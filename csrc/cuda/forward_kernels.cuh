@@ -39,12 +39,21 @@ struct ForwardArgs {
 // scale or, where scale is nullptr, by the row's dynamic scale (stored to row_scales). Only the quantized
 // kernel variants take it, as a parameter of their own: a larger ForwardArgs changes how ptxas allocates the
 // plain kernels' registers.
+// Per group (group_units > 0; quant_math.h): each group of group_units consecutive packs of a row (a power of two
+// up to 32, so that a group's packs sit in lanes of one warp, or, in a sub-warp row, in packs of its own lanes)
+// gets its scale from its own absmax: float32 scales in row_scales (strided), or MX (e8m0) / NVFP4 (e4m3fn) bits in
+// block_scales (strided or swizzled). NVFP4 (code kE2m1): scale is the global scale and codes hold two per byte.
 struct QuantArgs {
   void* codes;
   const float* scale;
   const float* scale_ub;  // nullptr: no cap
   float* row_scales;
   quant::Code code;
+  int group_units = 0;
+  int64_t groups = 0;  // per row
+  uint8_t* block_scales = nullptr;
+  int64_t scale_row_stride = 0, scale_group_stride = 0;
+  bool swizzled = false;
 };
 
 // The kernels' optional QuantArgs parameter (a pack of none or one), unpacked where there is one.
@@ -167,6 +176,69 @@ __device__ __forceinline__ quant::Scaling row_scaling(const QuantArgs& q, int64_
   const float scale = quant::dynamic_scale(absmax, q.scale_ub, q.code);
   if (writer) q.row_scales[row] = scale;
   return quant::scaling(scale, /*is_static=*/false, q.code);
+}
+
+// Where the scale of (row, group) goes: the scaled matmuls' swizzled tiles (MX / NVFP4), or the strides.
+__device__ __forceinline__ int64_t group_scale_index(const QuantArgs& q, int64_t row, int64_t group) {
+  if (!q.swizzled) return row * q.scale_row_stride + group * q.scale_group_stride;
+  constexpr int64_t kTileRows = 128, kTileBlocks = 4;  // quant::swizzled_scale_index, on the device
+  const int64_t padded_groups = (q.groups + kTileBlocks - 1) / kTileBlocks * kTileBlocks;
+  const int64_t tile = row / kTileRows * (padded_groups / kTileBlocks) + group / kTileBlocks;
+  const int64_t r = row % kTileRows;
+  return tile * (kTileRows * kTileBlocks) + (r % 32) * 16 + (r / 32) * 4 + group % kTileBlocks;
+}
+
+// How a group's codes are scaled, from its absmax (the same steps as the CPU's quantize_row_as); `first` (the
+// thread of the group's first pack) stores its scale.
+__device__ __forceinline__ quant::Scaling group_scaling(const QuantArgs& q, int64_t row, int64_t group, float absmax,
+                                                        bool first) {
+  const int64_t at = group_scale_index(q, row, group);
+  if (q.block_scales != nullptr) {
+    const bool nvfp4 = q.code == quant::Code::kE2m1;
+    const uint8_t bits = nvfp4 ? quant::nvfp4_scale_bits(absmax, *q.scale)
+                               : quant::mx_scale_bits(quant::capped(absmax, q.scale_ub), q.code);
+    if (first) q.block_scales[at] = bits;
+    return nvfp4 ? quant::nvfp4_scaling(bits, quant::reciprocal_or_zero(*q.scale)) : quant::mx_scaling(bits);
+  }
+  const float scale = quant::dynamic_scale(absmax, q.scale_ub, q.code);
+  if (first) q.row_scales[at] = scale;
+  return quant::group_scaling(scale);
+}
+
+// A row's padding blocks of its last swizzled tile: zeros, as torch's to_blocked pads (the row's writer).
+__device__ __forceinline__ void zero_swizzle_padding(const QuantArgs& q, int64_t row) {
+  if (!q.swizzled) return;
+  for (int64_t group = q.groups; group % 4 != 0; ++group) q.block_scales[group_scale_index(q, row, group)] = 0;
+}
+
+// The codes of one pack of a per-group row (unit: its index among the row's packs), scaled by its group's
+// scaling. NVFP4 packs two codes a byte (an even column in the low nibble); with single-element packs a lane
+// takes its odd neighbour's code by a shuffle, so every thread of the block must call it alike (`valid`: the pack
+// is this thread's).
+template <int kVec>
+__device__ __forceinline__ void store_group_codes(const QuantArgs& q, int64_t row, int64_t units, int64_t unit,
+                                                  bool valid, const float (&f)[kVec], quant::Scaling scaling) {
+  const int64_t at = row * units + unit;
+  if (q.code == quant::Code::kE2m1) {
+    uint8_t c[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) c[j] = quant::to_e2m1(quant::scaled(f[j], scaling));
+    if constexpr (kVec == 1) {
+      const unsigned odd = __shfl_xor_sync(0xffffffffu, static_cast<unsigned>(c[0]), 1);
+      if (valid && (unit & 1) == 0) static_cast<uint8_t*>(q.codes)[at / 2] = static_cast<uint8_t>(c[0] | (odd << 4));
+    } else {
+      Pack<uint8_t, kVec / 2> bytes;
+#pragma unroll
+      for (int j = 0; j < kVec / 2; ++j) bytes.v[j] = static_cast<uint8_t>(c[2 * j] | (c[2 * j + 1] << 4));
+      if (valid) reinterpret_cast<Pack<uint8_t, kVec / 2>*>(q.codes)[at] = bytes;
+    }
+    return;
+  }
+  if (!valid) return;
+  Pack<uint8_t, kVec> codes;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) codes.v[j] = quant::encode(q.code, quant::scaled(f[j], scaling));
+  reinterpret_cast<Pack<uint8_t, kVec>*>(q.codes)[at] = codes;
 }
 
 // The row's statistics from its mean, given as centre + rest (centre a value of the compute type near the
@@ -479,6 +551,38 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
           normalize_store<Tin, Tw, kRms, A, kVec>(a, row, col_unit, h[p], st, affine(p), a.cast_before_weight);
         }
       }
+    } else if (quant_args(quant...).group_units > 0) {
+      // Per group: each pack's absmax, all-reduced over the lanes of its group (in a sub-warp row whose groups are
+      // wider than its lanes, then over the lane's packs of the group), then its codes from the registers again.
+      const QuantArgs& q = quant_args(quant...);
+      const int group_lanes = q.group_units < a.lanes ? q.group_units : a.lanes;
+      const int group_packs = q.group_units / group_lanes;
+      float absmax[kPacks];
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+        absmax[p] = valid[p] ? fold_absmax<Tin, Tw, kRms, A, kVec>(a, h[p], st, affine(p), 0.0f) : 0.0f;
+        absmax[p] = warp_allreduce(AbsMax{absmax[p]}, group_lanes).v;
+      }
+#pragma unroll
+      for (int span = 1; span < kPacks; span *= 2) {
+        if (span < group_packs) {
+          float other[kPacks];
+#pragma unroll
+          for (int p = 0; p < kPacks; ++p) other[p] = absmax[p ^ span];
+#pragma unroll
+          for (int p = 0; p < kPacks; ++p) absmax[p] = quant::nan_max(absmax[p], other[p]);
+        }
+      }
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+        const int64_t unit = static_cast<int64_t>(p) * a.lanes + lane;
+        float f[kVec] = {};
+        if (valid[p]) output_floats<Tin, Tw, kRms, A, kVec>(a, h[p], st, affine(p), f);
+        const quant::Scaling scaling =
+            group_scaling(q, row, unit / q.group_units, absmax[p], valid[p] && unit % q.group_units == 0);
+        store_group_codes<kVec>(q, row, a.units, unit, valid[p], f, scaling);
+      }
+      if (writer) zero_swizzle_padding(q, row);
     } else {
       // Quantized output: the output values twice from the registers, for the absmax (dynamic scale), then
       // for the codes.
@@ -786,6 +890,32 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
         normalize_store<Tin, Tw, kRms, A, kVec>(a, row, unit, h, st, load_affine<Tw, kRms, A, kVec>(a, unit),
                                                 a.cast_before_weight);
       });
+    } else if (quant_args(quant...).group_units > 0) {
+      // Per group (a group's packs in lanes of one warp): one pass, its bounds the block's (the butterflies); each
+      // pack's absmax all-reduced over its group's lanes, then its codes.
+      const QuantArgs& q = quant_args(quant...);
+      for (int64_t first = me, slot = threadIdx.x; first - threadIdx.x < a.units; first += chunk_step, slot += slot_step) {
+        bool valid[kChunk];
+        chunk_valid(first, valid);
+        A h[kChunk][kVec];
+        reload(first, slot, valid, h);
+#pragma unroll
+        for (int p = 0; p < kChunk; ++p) {
+          const int64_t unit = first + static_cast<int64_t>(p) * lanes;
+          float f[kVec] = {};
+          float absmax = 0.0f;
+          if (valid[p]) {
+            output_floats<Tin, Tw, kRms, A, kVec>(a, h[p], st, load_affine<Tw, kRms, A, kVec>(a, unit), f);
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) absmax = quant::nan_max(absmax, fabsf(f[j]));
+          }
+          absmax = warp_allreduce(AbsMax{absmax}, q.group_units).v;
+          const quant::Scaling scaling =
+              group_scaling(q, row, unit / q.group_units, absmax, valid[p] && unit % q.group_units == 0);
+          store_group_codes<kVec>(q, row, a.units, unit, valid[p], f, scaling);
+        }
+      }
+      if (writer) zero_swizzle_padding(q, row);
     } else {
       // Quantized output: a pass for the absmax (dynamic scale), then one for the codes.
       __shared__ AbsMax absmax_scratch[kMaxRowThreads / 32];

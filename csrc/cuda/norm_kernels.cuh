@@ -234,9 +234,21 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
   a.weight_offset = static_cast<A>(p.weight_offset);
   a.cast_before_weight = p.cast_before_weight;
   a.residual_type = p.residual_type;
-  // Per-group and MX scales have no CUDA kernel yet (norm_ops.cpp refuses CUDA inputs): never ignored here.
-  TORCH_CHECK(p.group_size == 0, "layernorm_ext: per-group scales have no CUDA kernel yet");
-  const QuantArgs q{p.codes, p.scale, p.scale_ub, p.row_scales, quant_code(p.quant_type)};
+  QuantArgs q{p.codes, p.scale, p.scale_ub, p.row_scales, quant_code(p.quant_type)};
+  if (p.group_size > 0) {
+    const int64_t group_units = p.group_size / kVec;
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        p.group_size % kVec == 0 && group_units <= 32 && (group_units & (group_units - 1)) == 0,
+        "layernorm_ext: per-group and block scales on CUDA need a group_size that is a power of two and at most 32 "
+        "times the elements of the kernel's vector (", kVec, " here: ", 16 / sizeof(Tin), " for ", sizeof(Tin),
+        "-byte elements when the tensors are 16-byte aligned, else 1), but got group_size=", p.group_size);
+    q.group_units = static_cast<int>(group_units);
+    q.groups = p.cols / p.group_size;
+    q.block_scales = p.nvfp4_scales != nullptr ? p.nvfp4_scales : p.mx_scales;
+    q.scale_row_stride = p.scale_row_stride;
+    q.scale_group_stride = p.scale_group_stride;
+    q.swizzled = p.scales_swizzled;
+  }
   TORCH_INTERNAL_ASSERT(p.residual == nullptr || residual_fits<Th>(p.residual_type),
                         "layernorm_ext: a residual dtype that does not promote to the rows' dtype");
   constexpr int kMax = max_packs<A, kVec>(false);
@@ -314,7 +326,8 @@ void launch_forward(const NormForwardParams& p) {
                           pack_aligned<kVec>(p.out, sizeof(Tin)) && pack_aligned<kVec>(p.weight, sizeof(Tw)) &&
                           pack_aligned<kVec>(p.bias, sizeof(Tw)) &&
                           pack_aligned<kVec>(p.residual, c10::elementSize(p.residual_type)) &&
-                          pack_aligned<kVec>(p.residual_out, sizeof(Th)) && pack_aligned<kVec>(p.codes, 1);
+                          pack_aligned<kVec>(p.residual_out, sizeof(Th)) && pack_aligned<kVec>(p.codes, 1) &&
+                          p.group_size % kVec == 0;  // a pack in one group (of a power of two: any kVec divides it)
   // Quantized output is a kernel variant of its own (kQuant), so that the plain kernels' registers are not
   // sized for its extra pass.
   with_variant<kVec>(p.rms, vectorized, [&](auto rms, auto width) {

@@ -157,17 +157,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "layer_norm_quant",
       [](const Tensor& input, const std::vector<int64_t>& shape, const OptTensor& weight, const OptTensor& bias,
          double eps, at::ScalarType quant_dtype, const OptTensor& scale, const OptTensor& scale_ub,
-         const OptTensor& residual) {
+         const OptTensor& residual, int64_t group_size, bool scales_column_major,
+         std::optional<at::ScalarType> scales_dtype, bool scales_swizzled) {
         return layernorm_ext::layer_norm_quant(input, sym(shape), weight, bias, eps, quant_dtype, scale, scale_ub,
-                                               residual, false, 0.0, false, 0, false, std::nullopt, false, forward);
-      });
+                                               residual, false, 0.0, false, group_size, scales_column_major,
+                                               scales_dtype, scales_swizzled, forward);
+      },
+      py::arg("input"), py::arg("shape"), py::arg("weight"), py::arg("bias"), py::arg("eps"), py::arg("quant_dtype"),
+      py::arg("scale"), py::arg("scale_ub"), py::arg("residual"), py::arg("group_size") = 0,
+      py::arg("scales_column_major") = false, py::arg("scales_dtype") = py::none(), py::arg("scales_swizzled") = false);
   m.def(
       "rms_norm_quant",
       [](const Tensor& input, const std::vector<int64_t>& shape, const OptTensor& weight, std::optional<double> eps,
-         at::ScalarType quant_dtype, const OptTensor& scale, const OptTensor& scale_ub, const OptTensor& residual) {
+         at::ScalarType quant_dtype, const OptTensor& scale, const OptTensor& scale_ub, const OptTensor& residual,
+         int64_t group_size, bool scales_column_major, std::optional<at::ScalarType> scales_dtype,
+         bool scales_swizzled) {
         return layernorm_ext::rms_norm_quant(input, sym(shape), weight, eps, quant_dtype, scale, scale_ub, residual,
-                                             false, 0.0, false, 0, false, std::nullopt, false, forward);
-      });
+                                             false, 0.0, false, group_size, scales_column_major, scales_dtype,
+                                             scales_swizzled, forward);
+      },
+      py::arg("input"), py::arg("shape"), py::arg("weight"), py::arg("eps"), py::arg("quant_dtype"), py::arg("scale"),
+      py::arg("scale_ub"), py::arg("residual"), py::arg("group_size") = 0, py::arg("scales_column_major") = false,
+      py::arg("scales_dtype") = py::none(), py::arg("scales_swizzled") = false);
   m.def("add_layer_norm_", [](const Tensor& input, const Tensor& residual, const std::vector<int64_t>& shape,
                               const OptTensor& weight, const OptTensor& bias, double eps) {
     layernorm_ext::add_layer_norm_inplace(input, residual, sym(shape), weight, bias, eps, 0.0, false, forward);
