@@ -195,11 +195,11 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     // float8_e4m3fn (a buffer of another dtype is refused by its shape-and-dtype check).
     if (quant->scales_dtype.has_value()) {
       scales_dtype = *quant->scales_dtype;
+    } else if (nvfp4) {
+      scales_dtype = ScalarType::Float8_e4m3fn;
     } else if (group_size > 0 && quant->scales_out.has_value() &&
                quant->scales_out->scalar_type() == ScalarType::Float8_e8m0fnu) {
       scales_dtype = ScalarType::Float8_e8m0fnu;
-    } else if (nvfp4) {
-      scales_dtype = ScalarType::Float8_e4m3fn;
     }
     check_group_size(op, normalized_shape, group_size, quant->scale.has_value(), quant->scales_column_major,
                      quant->scales_swizzled, scales_dtype, quant->dtype);

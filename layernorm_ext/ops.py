@@ -310,8 +310,8 @@ def _fake_quant_into(
     nvfp4 = out.dtype == _checks.NVFP4
     if nvfp4 and group_size == 0:
         group_size = _checks.NVFP4_BLOCK
-    mx = group_size > 0 and scales is not None and scales.dtype == torch.float8_e8m0fnu
-    scales_dtype = torch.float8_e8m0fnu if mx else (torch.float8_e4m3fn if nvfp4 else torch.float32)
+    mx = not nvfp4 and group_size > 0 and scales is not None and scales.dtype == torch.float8_e8m0fnu
+    scales_dtype = torch.float8_e4m3fn if nvfp4 else (torch.float8_e8m0fnu if mx else torch.float32)
     _checks.check_group_size(op, normalized_shape, group_size, scale is not None, False, scales_swizzled,
                              scales_dtype, out.dtype)
     _checks.check_destination(op, "out", input, out, len(normalized_shape), out.dtype,

@@ -258,6 +258,10 @@ def _bad_calls() -> list:
                                               scales=torch.empty(3, 2, dtype=torch.float32)),
                      r"expected scales of shape \[3, 2\] and dtype Float8_e4m3fn, but got scales of shape \[3, 2\] "
                      "and dtype Float", id="scales-buffer-dtype"),
+        pytest.param(lambda: L.rms_norm_quant(x, 32, w, scale=gs, out=codes,
+                                              scales=torch.empty(3, 2, dtype=torch.float8_e8m0fnu)),
+                     r"expected scales of shape \[3, 2\] and dtype Float8_e4m3fn, but got scales of shape \[3, 2\] "
+                     "and dtype Float8_e8m0fnu", id="scales-buffer-e8m0"),
         pytest.param(lambda: L.rms_norm_quant(x, 32, w, scale=gs, out=codes),
                      r"NVFP4 codes need a scales= buffer for their blocks' float8_e4m3fn scales of shape \[3, 2\]",
                      id="no-scales-buffer"),

@@ -516,6 +516,8 @@ void dispatch_row_and_param_types(ScalarType row_type, ScalarType param_type, F&
 
 template <typename Tin>
 void forward_for_input(const NormForwardParams& p) {
+  // Channels-first rows have CPU kernels only (norm_ops.cpp routes CUDA inputs through copies): never ignored here.
+  TORCH_CHECK(p.plane == 0, "layernorm_ext: channels-first rows have no CUDA kernel");
   dispatch_row_and_param_types<Tin>(p.h_type, p.weight_type, [&](auto h_tag, auto w_tag) {
     launch_forward<Tin, typename decltype(h_tag)::type, typename decltype(w_tag)::type>(p);
   });
@@ -523,6 +525,7 @@ void forward_for_input(const NormForwardParams& p) {
 
 template <typename Tg>
 void backward_for_grad(const NormBackwardParams& p) {
+  TORCH_CHECK(p.plane == 0, "layernorm_ext: channels-first rows have no CUDA kernel");
   dispatch_row_and_param_types<Tg>(p.saved_type, p.weight_type, [&](auto s_tag, auto w_tag) {
     launch_backward<Tg, typename decltype(s_tag)::type, typename decltype(w_tag)::type>(p);
   });
