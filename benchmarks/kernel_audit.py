@@ -372,9 +372,9 @@ class Row:
 
     @property
     def path(self) -> str:
-        if self.plan["packs"]:
-            return "rows"
         cluster = self.plan.get("cluster", 1)
+        if self.plan["packs"]:
+            return "rows" + (f" x{cluster} CTAs" if cluster > 1 else "")
         return ("long-staged" if self.plan["staged"] else "long") + (f" x{cluster} CTAs" if cluster > 1 else "")
 
     def key(self, metric: str) -> str:
@@ -436,8 +436,8 @@ def audit(library: str, archs: Iterable[str], plan_function) -> list[Row]:
             figures = analyzed[key]
             elements_per_thread = n / plan["lanes"]
             dram = figures.element_bytes / elements_per_thread
-            if direction == "backward":  # partial buffers: the rows kernel's write of its block partials, the reduce
-                partial = plan["grid"] * n * 4 * buffers
+            if direction == "backward":  # partial buffers: the rows kernel's write of its block (or cluster)
+                partial = plan["grid"] // plan.get("cluster", 1) * n * 4 * buffers  # partials, the reduce's read
                 dram += 2 * partial / (m * n)
             stl = sum(i.access_bytes() for i in function.instructions if i.op == "STL")
             rows.append(Row(

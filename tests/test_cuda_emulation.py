@@ -229,10 +229,16 @@ def _long_row_groups(plan: dict) -> int:
     return plan["grid"] * plan["threads"] // plan["lanes"]
 
 
-# (M, N, parts): the long path's partial rows are its row groups (one for 1 or 2 rows: 40 column slices of 40000
-# floats fill the emulated GPU); 300 rows of 256 (8 rows per block) fill all 3 x 2 resident blocks.
-@pytest.mark.parametrize(("m", "n", "parts"), [(1, 40000, 1), (2, 40000, 1), (300, 256, 6)],
-                         ids=["long-m1", "long-m2", "rows-m300"])
+def _parts(plan: dict) -> int:
+    """Rows of the backward's partial buffers: the long path's row groups, else a block's (or a cluster's) each."""
+    return _long_row_groups(plan) if plan["packs"] == 0 else plan["grid"] // plan["cluster"]
+
+
+# (M, N, parts): the long path's partial rows are its row groups (one for 1 or 2 rows: 157 column slices of 40001
+# single elements fill the emulated GPU); 20000 floats on a cluster of 5 blocks, one cluster (the emulated GPU's 6
+# resident blocks hold one); 300 rows of 256 (8 rows per block) fill all 3 x 2 resident blocks.
+@pytest.mark.parametrize(("m", "n", "parts"), [(1, 40001, 1), (2, 40001, 1), (2, 20000, 1), (300, 256, 6)],
+                         ids=["long-m1", "long-m2", "cluster-m2", "rows-m300"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 def test_emulated_backward_workspace(emulated: ModuleType, rms: bool, m: int, n: int, parts: int) -> None:
     """The backward's workspace: one [parts, N] float buffer for dweight and one for dbias (LayerNorm with a
@@ -241,7 +247,7 @@ def test_emulated_backward_workspace(emulated: ModuleType, rms: bool, m: int, n:
     x, g, w, b = torch.randn(m, n), torch.randn(m, n), torch.randn(n), torch.randn(n)
     plan = emulated.launch_plan(rms, True, F32, F32, F32, m, n)
     long_path = plan["packs"] == 0
-    assert (_long_row_groups(plan) if long_path else plan["grid"]) == parts
+    assert _parts(plan) == parts and long_path == (n == 40001)
     emulated.reset_workspace_bytes()
     if rms:
         _, _, rstd = emulated.rms_norm_fwd(x, [n], w, None, None, False)
@@ -253,18 +259,14 @@ def test_emulated_backward_workspace(emulated: ModuleType, rms: bool, m: int, n:
     assert emulated.last_workspace_bytes() == buffers * parts * n * 4 + (m * 4 * 4 if long_path else 0)
 
 
-# Long rows in several row groups (at most 64 rows each: 130 rows make 3 groups of 44, 44 and 42), odd N (single
-# elements: 65 column slices, the last one of a single column) and N = 40000 floats (40 slices of 256 packs, the
-# last one partly idle): dx and dweight / dbias against ATen under the suite's rule, the residual and memory-efficient
-# variants included.
+# Long rows in several row groups (at most 64 rows each: 130 rows make 3 groups of 44, 44 and 42): N = 40001
+# single elements, beyond the registers of 16 blocks (157 column slices, the last one of a single column): dx and
+# dweight / dbias against ATen under the suite's rule, the residual and memory-efficient variants included.
 LONG_GROUP_SPECS = [
-    _spec("layer_norm", (130,), (16385,), dtype=BF16, wdtype=BF16),
-    _spec("rms_norm", (130,), (16385,), dtype=F32, wdtype=F32),
-    _spec("layer_norm", (130,), (40000,), dtype=F32, wdtype=F32),
-    _spec("add_rms_norm", (130,), (40000,), dtype=BF16, wdtype=BF16, rdtype=BF16),
-    _spec("add_layer_norm", (130,), (16385,), dtype=F16, wdtype=F32, rdtype=F32),
-    _spec("layer_norm", (130,), (40000,), dtype=BF16, mem_eff=True, weights="signed"),
-    _spec("rms_norm", (130,), (16385,), dtype=F32, mem_eff=True, weights="signed"),
+    _spec("layer_norm", (130,), (40001,), dtype=BF16, wdtype=BF16),
+    _spec("rms_norm", (130,), (40001,), dtype=F32, wdtype=F32),
+    _spec("add_layer_norm", (130,), (40001,), dtype=F16, wdtype=F32, rdtype=F32),
+    _spec("rms_norm", (130,), (40001,), dtype=F32, mem_eff=True, weights="signed"),
 ]
 
 
@@ -275,6 +277,31 @@ def test_emulated_long_backward_row_groups(spec: Spec, emulated: ModuleType) -> 
     assert plan["packs"] == 0 and plan["kernel"].startswith("backward_long_kernel")
     groups = _long_row_groups(plan)
     assert groups == 3 and m % -(-m // groups) != 0  # several groups, the last one shorter
+    run_case(spec, "cpu", ours=emulated_impl(emulated))
+
+
+# Rows beyond one block's registers on a cluster (sm_90): odd N (single elements, 9 blocks of 480 lanes), 40000
+# floats (10 blocks), bfloat16 (5 blocks): the clusters stride over rows (130 rows: 3 clusters, at most 64 rows each)
+# and each writes one row of partials, each block its own columns; the residual and memory-efficient variants
+# included.
+CLUSTER_SPECS = [
+    _spec("layer_norm", (130,), (8193,), dtype=BF16, wdtype=BF16),
+    _spec("rms_norm", (130,), (8193,), dtype=F32, wdtype=F32),
+    _spec("layer_norm", (130,), (40000,), dtype=F32, wdtype=F32),
+    _spec("add_rms_norm", (130,), (40000,), dtype=BF16, wdtype=BF16, rdtype=BF16),
+    _spec("add_layer_norm", (130,), (8193,), dtype=F16, wdtype=F32, rdtype=F32),
+    _spec("layer_norm", (130,), (40000,), dtype=BF16, mem_eff=True, weights="signed"),
+    _spec("rms_norm", (130,), (8193,), dtype=F32, mem_eff=True, weights="signed"),
+    _spec("add_layer_norm", (130,), (20000,), dtype=BF16, wdtype=F32, rdtype=F32),
+]
+
+
+@pytest.mark.parametrize("spec", CLUSTER_SPECS, ids=_id)
+def test_emulated_cluster_backward(spec: Spec, emulated: ModuleType) -> None:
+    m, n = spec.lead[0], spec.norm[0]
+    plan = emulated.launch_plan(spec.rms, True, spec.dtype, spec.dtype, spec.dtype, m, n)
+    assert plan["kernel"].startswith("backward_cluster_kernel") and plan["cluster"] > 1
+    assert plan["lanes"] == plan["threads"] * plan["cluster"] and plan["lanes"] * plan["packs"] * plan["vec"] >= n
     run_case(spec, "cpu", ours=emulated_impl(emulated))
 
 
@@ -407,7 +434,10 @@ def test_emulated_quantized_output(emulated: ModuleType, rms: bool, dtype: torch
 
 ELEMENT = {F32: 4, BF16: 2}
 TRAFFIC_NS = (7, 64, 1024, 4096, 5120, 20000, 40000)  # sub-warp ... block per row, long rows (bf16 and f32)
-BACKWARD_LONG = (20000, 40000)  # beyond the backward's registers (N > 8192): the long path, two passes
+# Beyond the backward's registers (N > 8192): a cluster of blocks per row (20000, 40000: 3 and 5 blocks), or beyond
+# 16 blocks' registers (40001 single elements) the long path, two passes.
+BACKWARD_TRAFFIC_NS = (*TRAFFIC_NS, 40001)
+BACKWARD_LONG = (40001,)
 
 
 def _traffic(emulated: ModuleType, run) -> list[tuple[int, int, int, int]]:
@@ -461,15 +491,16 @@ def _backward(emulated: ModuleType, rms: bool, m: int, n: int, dtype: torch.dtyp
     return _traffic(emulated, lambda: emulated.layer_norm_bwd(g, x, mean, rstd, [n], w, b, False, extra))
 
 
-@pytest.mark.parametrize("n", TRAFFIC_NS)
+@pytest.mark.parametrize("n", BACKWARD_TRAFFIC_NS)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
 def test_emulated_backward_traffic(emulated: ModuleType, dtype: torch.dtype, rms: bool, residual: bool, n: int) -> None:
     """The backward's bytes, launch by launch (weight and bias in the input dtype, mean / rstd in float).
-    Register path, exactly: dy, saved (and grad_residual_out) loaded once, the weight once per row group
-    (rows_per_block groups in each of the grid's blocks), mean / rstd once per row; dx stored once and one
-    [grid, N] float row of each partial buffer per block. Then one reduce launch per buffer (dweight; dbias for
+    Register path (a row in a sub-warp ... a block, or on a cluster of blocks), exactly: dy, saved (and
+    grad_residual_out) loaded once, the weight once per row group (rows_per_block groups in each of the grid's
+    blocks; a cluster's blocks each their columns'), mean / rstd once per row's thread; dx stored once and one
+    [parts, N] float row of each partial buffer per block (or cluster). Then one reduce launch per buffer (dweight; dbias for
     LayerNorm): it loads the [parts, N] partials once and stores N values.
     Long rows, exactly: the sums pass loads dy and saved once (and the weight per row, mean / rstd per thread)
     and stores each row's 4 terms; the column pass loads dy, saved (and grad_residual_out) once, the weight once
@@ -480,10 +511,10 @@ def test_emulated_backward_traffic(emulated: ModuleType, dtype: torch.dtype, rms
     m, s = _rows(n), ELEMENT[dtype]
     buffers, stats = (1, 4) if rms else (2, 8)
     plan = emulated.launch_plan(rms, True, dtype, dtype, dtype, m, n)
-    assert (plan["packs"] == 0) == (n in BACKWARD_LONG)
+    assert (plan["packs"] == 0) == (n in BACKWARD_LONG) and (plan["cluster"] > 1) == (n in (20000, 40000))
     launches = _backward(emulated, rms, m, n, dtype, residual)
     main, reduce = launches[:-buffers], launches[-buffers:]
-    parts = _long_row_groups(plan) if plan["packs"] == 0 else plan["grid"]
+    parts = _parts(plan)
     for _, _, loaded, stored in reduce:
         assert (loaded, stored) == (parts * n * 4, n * s)
     streams_in = m * n * s * (3 if residual else 2)  # dy, saved, (grad_residual_out)
@@ -496,7 +527,7 @@ def test_emulated_backward_traffic(emulated: ModuleType, dtype: torch.dtype, rms
     assert len(main) == 2  # the sums pass, then the column pass
     (sums_grid, sums_threads, sums_loaded, sums_stored), (_, _, loaded, stored) = main
     assert sums_threads == 256 and sums_grid == min(m, 6)
-    units = n // (16 // s)  # 16-byte packs: 20000 and 40000 are multiples of 8
+    units = n // plan["vec"]
     assert sums_loaded == 2 * m * n * s + m * n * s + m * stats * 256  # dy, saved; weight; mean / rstd
     assert sums_stored == m * 4 * 4
     assert loaded == streams_in + parts * n * s + m * units * (4 * 4 + 4)  # weight per group; terms, rstd

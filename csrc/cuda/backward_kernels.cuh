@@ -1,4 +1,5 @@
-// The backward kernels: backward_rows_kernel (rows in registers, persistent) and, for rows beyond the registers,
+// The backward kernels: backward_rows_kernel (rows in registers, persistent; backward_cluster_kernel: the same on
+// a thread-block cluster per row, sm_90) and, for rows beyond the registers,
 // backward_long_sums_kernel (a block per row: each row's two or three sums, turned into its coefficients) then
 // backward_long_kernel (a block per column slice and group of rows: dx, and dweight / dbias in registers). Both
 // paths write dweight / dbias partials, one row per block (rows) or per row group (long), that
@@ -84,12 +85,12 @@ __device__ __forceinline__ void row_stats(const BackwardArgs<A>& a, int64_t row,
   *mean = (rms || a.mean == nullptr) ? A(0) : load_global(a.mean + row);
 }
 
-// The end of backward_rows_kernel: sum the groups' column partials and write row blockIdx.x of `out`
-// ([gridDim.x, cols]). The groups (a power of two) are added pairwise, as a tree through shared memory: a
+// The end of backward_rows_kernel: sum the groups' column partials and write row `part` of `out` (the block's, or
+// on a cluster the cluster's: [parts, cols]). The groups (a power of two) are added pairwise, as a tree through shared memory: a
 // fixed order, and an error that grows with log2(groups) rather than with their count. Every thread calls it.
 template <typename A, int kPacks, int kVec>
 __device__ __forceinline__ void write_block_partials(const BackwardArgs<A>& a, A (&acc)[kPacks][kVec], A* out,
-                                                     A* combine_buf, int group, int lane) {
+                                                     A* combine_buf, int group, int lane, int64_t part) {
   for (int half = a.rows_per_block / 2; half >= 1; half /= 2) {
     if (group >= half && group < 2 * half) {
 #pragma unroll
@@ -113,7 +114,7 @@ __device__ __forceinline__ void write_block_partials(const BackwardArgs<A>& a, A
       const int64_t col_unit = static_cast<int64_t>(p) * a.lanes + lane;
       if (col_unit < a.units) {
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) store_global(out + blockIdx.x * a.cols + col_unit * kVec + j, acc[p][j]);
+        for (int j = 0; j < kVec; ++j) store_global(out + part * a.cols + col_unit * kVec + j, acc[p][j]);
       }
     }
   }
@@ -177,16 +178,29 @@ __device__ __forceinline__ void element_terms(const RawPack<Tg, kVec>& dy_raw, c
 // (double-buffered by row parity: one barrier per row; none when the row fits in a warp). At the end the
 // groups of a block add their partials in group order through shared memory and the block writes its row of
 // the [gridDim.x, cols] partial buffers (reduce_partials_kernel finishes the sum in a fixed order).
-template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual>
-__global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
-    backward_rows_kernel(BackwardArgs<acc_t<Ts>> a) {
+// kCluster (backward_cluster_kernel, sm_90): a row too long for one block's registers spans a thread-block cluster
+// of a.lanes / blockDim.x blocks (one row per cluster, rows_per_block 1): thread t of block c is lane
+// c * blockDim.x + t, the row's all-reduce takes one round through distributed shared memory (the cluster's
+// barrier), and the cluster writes one row of the partial buffers, each block its own columns. So a long row is read
+// once (the two-pass long path reads dy and saved twice).
+template <typename A>
+constexpr size_t kClusterScratchBytes = 2 * sizeof(Sums<A, 3>) * (kMaxRowThreads / 32);
+
+template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual, bool kCluster>
+__device__ __forceinline__ void backward_rows(const BackwardArgs<acc_t<Ts>>& a) {
   using A = acc_t<Ts>;
   using S = BackwardSums<A, kRms>;
-  __shared__ S scratch[2][kMaxRowThreads / 32];
+  // The warps' sums, double-buffered by row parity; on a cluster in dynamic shared memory (kClusterScratchBytes),
+  // each block's own, which its cluster's blocks read.
+  __shared__ S block_scratch[kCluster ? 1 : 2][kMaxRowThreads / 32];
   LNX_DYNAMIC_SHARED(combine_bytes);  // blockDim.x * kPacks * kVec values, when rows_per_block > 1
   A* combine_buf = reinterpret_cast<A*>(combine_bytes);
-  const int group = threadIdx.x / a.lanes;
-  const int lane = threadIdx.x % a.lanes;
+  S(*scratch)[kMaxRowThreads / 32] = block_scratch;
+  if constexpr (kCluster) scratch = reinterpret_cast<S(*)[kMaxRowThreads / 32]>(combine_bytes);
+  const int cluster = kCluster ? a.lanes / static_cast<int>(blockDim.x) : 1;
+  const int group = kCluster ? 0 : threadIdx.x / a.lanes;
+  const int lane = kCluster ? static_cast<int>(blockIdx.x) % cluster * static_cast<int>(blockDim.x) + threadIdx.x
+                            : threadIdx.x % a.lanes;
   const bool want_dweight = a.partial_dweight != nullptr;
   const bool want_dbias = a.partial_dbias != nullptr;
   bool lane_cols[kPacks];  // this lane's packs exist (the row's length need not fill the last round of lanes)
@@ -246,7 +260,8 @@ __global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
         }
       }
     }
-    s = row_allreduce_one_barrier(s, a.lanes, scratch[parity]);
+    if constexpr (kCluster) s = cluster_allreduce(s, a.lanes / 32, scratch[parity]);
+    else s = row_allreduce_one_barrier(s, a.lanes, scratch[parity]);
     parity ^= 1;
     const RowCoefficients<A> c = row_coefficients<kRms>(a, rstd, s);
 #pragma unroll
@@ -268,14 +283,28 @@ __global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
       }
     }
   };
-  const int64_t row_step = static_cast<int64_t>(gridDim.x) * a.rows_per_block;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * a.rows_per_block; base < a.rows; base += row_step) {
+  const int64_t row_step = static_cast<int64_t>(gridDim.x / cluster) * a.rows_per_block;
+  const int64_t part = blockIdx.x / cluster;  // the block's (or cluster's) row of the partial buffers
+  for (int64_t base = part * a.rows_per_block; base < a.rows; base += row_step) {
     if (a.saved_is_output) process_row(base + group, std::true_type{});
     else process_row(base + group, std::false_type{});
   }
   // Block partials: group 0 adds the other groups' values in group order, then writes the block's row.
-  if (want_dweight) write_block_partials(a, dweight, a.partial_dweight, combine_buf, group, lane);
-  if (want_dbias) write_block_partials(a, dbias, a.partial_dbias, combine_buf, group, lane);
+  if (want_dweight) write_block_partials(a, dweight, a.partial_dweight, combine_buf, group, lane, part);
+  if (want_dbias) write_block_partials(a, dbias, a.partial_dbias, combine_buf, group, lane, part);
+  if constexpr (kCluster) cluster_sync();  // no block leaves while the others may still read its scratch
+}
+
+template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual>
+__global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
+    backward_rows_kernel(BackwardArgs<acc_t<Ts>> a) {
+  backward_rows<Tg, Ts, Tw, kRms, kVec, kPacks, kResidual, false>(a);
+}
+
+template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual>
+__global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
+    backward_cluster_kernel(BackwardArgs<acc_t<Ts>> a) {
+  backward_rows<Tg, Ts, Tw, kRms, kVec, kPacks, kResidual, true>(a);
 }
 
 // Long rows, pass 1 (backward_long_sums_kernel), persistent: one block of kLongThreads per row, striding over

@@ -491,6 +491,23 @@ __device__ __forceinline__ const T* cluster_shared(const T* p, unsigned rank) {
 #endif
 }
 
+// All-reduce over a row that spans a cluster (`parts` warps, every thread of the cluster calling it): butterflies in
+// each warp, then one round through distributed shared memory (the cluster's barrier): each lane adds every 32nd
+// warp's value in warp order, and the warp's butterfly adds the lanes', the same order in every warp, so every
+// thread gets the same bits. `scratch`: this block's one Stat per warp, alternated by the caller from row to row.
+template <typename Stat>
+__device__ __forceinline__ Stat cluster_allreduce(Stat s, int parts, Stat* scratch) {
+  s = warp_allreduce_32(s);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x / 32] = s;
+  cluster_sync();
+  const int block_warps = static_cast<int>(blockDim.x) / 32;
+  Stat sum{};
+  for (int i = threadIdx.x & 31; i < parts; i += 32) {
+    sum = combine(sum, cluster_shared(scratch, static_cast<unsigned>(i / block_warps))[i % block_warps]);
+  }
+  return warp_allreduce_32(sum);
+}
+
 // kernel<<<grid, threads, shared_bytes, stream>>>(args...) on clusters of `cluster` blocks (1 to 16; beyond 8
 // the kernel must allow non-portable sizes), through cudaLaunchKernelEx and its cluster dimension attribute.
 template <typename... Params, typename... Args>

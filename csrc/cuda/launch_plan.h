@@ -23,6 +23,9 @@ struct DeviceLimits {
   // Whether `kernel` may be launched on thread-block clusters: the device is sm_90 or newer and the kernel's
   // code was compiled for it (the long forward splits rows that one block cannot stage over a cluster).
   std::function<bool(const void* kernel)> has_clusters;
+  // Clusters of `cluster` blocks of `kernel` resident on the whole GPU at once (a cluster's blocks share a GPC, so
+  // fewer than resident_blocks / cluster can be): the persistent cluster grids.
+  std::function<int64_t(const void* kernel, int threads, size_t shared_bytes, int cluster)> resident_clusters;
 };
 
 struct LaunchPlan {

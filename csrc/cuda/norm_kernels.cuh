@@ -8,9 +8,10 @@
 //     block of 128 threads, the row held in registers;
 //   - medium rows: one block of 64..512 threads per row (a multiple of 32), the row held in registers;
 //   - long rows (beyond the registers of 512 threads): one block per row; the forward stages the row in
-//     shared memory when it fits, else reads it twice (the second read mostly from L2); the backward takes two
-//     kernels: a block per row for the row sums, then blocks of (column slice, row group) for dx, keeping
-//     dweight / dbias in registers over the group's rows (backward_kernels.cuh).
+//     shared memory when it fits, else reads it twice (the second read mostly from L2); the backward, on sm_90,
+//     holds the row in the registers of a thread-block cluster of 2-16 blocks (backward_cluster_kernel), and
+//     beyond that takes two kernels: a block per row for the row sums, then blocks of (column slice, row group)
+//     for dx, keeping dweight / dbias in registers (backward_kernels.cuh).
 // Statistics: rows in registers take two passes over them (LayerNorm: the sum for a shift, the rounded mean;
 // then the sums of h - shift and of its square; RMSNorm: the sum of squares). Each thread adds its own
 // values in the compute type; the threads' sums are added in double over __shfl_xor_sync butterflies, always
@@ -97,6 +98,14 @@ constexpr int max_packs(bool backward) {
   return packs < cap ? packs : cap;
 }
 
+// Packs per lane of the backward on a cluster: half the register path's where it holds 4 or more (float rows and
+// single elements), so that the cluster's all-reduce does not spill (ptxas sm_90, LayerNorm float rows at 4 packs:
+// 8 bytes).
+template <typename A, int kVec>
+constexpr int cluster_packs() {
+  return max_packs<A, kVec>(true) >= 4 ? max_packs<A, kVec>(true) / 2 : max_packs<A, kVec>(true);
+}
+
 inline bool aligned(const void* p, size_t bytes) {
   return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
@@ -139,6 +148,23 @@ inline DeviceLimits current_device_limits() {
     C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
     return attributes.binaryVersion >= 90;  // the code that runs has the cluster barriers (LNX_CLUSTERS)
   };
+  device.resident_clusters = [](const void* kernel, int threads, size_t shared_bytes, int cluster) {
+    if (cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(cluster));
+    config.blockDim = dim3(static_cast<unsigned>(threads));
+    config.dynamicSmemBytes = shared_bytes;
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    int clusters = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+    return static_cast<int64_t>(clusters);
+  };
   return device;
 }
 
@@ -161,7 +187,7 @@ std::string kernel_name(const char* function, bool rms, int vec, int packs, bool
   name += std::string(rms ? "true" : "false") + ", " + std::to_string(vec);
   if (packs > 0) name += ", " + std::to_string(packs);
   if (std::string(function) == "forward_rows_kernel" || std::string(function) == "backward_rows_kernel" ||
-      std::string(function) == "backward_long_kernel") {
+      std::string(function) == "backward_cluster_kernel" || std::string(function) == "backward_long_kernel") {
     name += residual ? ", true" : ", false";
   }
   if (quant) name += ", layernorm_ext::cuda::QuantArgs";
@@ -365,8 +391,34 @@ LaunchPlan plan_backward_vec(int64_t rows, int64_t cols, const DeviceLimits& dev
     plan.grid = std::max<int64_t>(1, resident > 0 ? std::min(plan.row_groups, resident) : plan.row_groups);
     return plan;
   }
-  // Long rows: pass 1, a persistent block per row for the row sums; pass 2, blocks of (column slice, row group).
   const int64_t units = cols / kVec;
+  // Long rows on sm_90: the register path on the fewest blocks of a cluster (2 to kMaxCluster) whose registers hold
+  // the row, one row per cluster: dy and saved read once. Not for float64 rows (as the forward's clusters).
+  if constexpr (!std::is_same_v<A, double>) {
+    constexpr int kPacks = cluster_packs<A, kVec>();
+    const void* cluster_kernel = reinterpret_cast<const void*>(backward_cluster_kernel<Tg, Ts, Tw, kRms, kVec, kPacks, false>);
+    const int64_t block_units = static_cast<int64_t>(kMaxRowThreads) * kPacks;
+    const int64_t cluster = (units + block_units - 1) / block_units;
+    if (cluster <= kMaxCluster && device.has_clusters(cluster_kernel)) {
+      const int64_t block_lanes = (units + kPacks * cluster - 1) / (kPacks * cluster);
+      plan.cluster = static_cast<int>(cluster);
+      plan.packs = kPacks;
+      plan.rows_per_block = 1;
+      plan.threads = static_cast<int>((block_lanes + 31) / 32 * 32);
+      plan.lanes = plan.threads * plan.cluster;
+      plan.kernel = kernel_name<Tg, Ts, Tw>("backward_cluster_kernel", kRms, kVec, plan.packs, false);
+      plan.row_groups = rows;
+      plan.dynamic_shared = kClusterScratchBytes<A>;
+      // Persistent clusters, but at least one per kLongGroupRows rows: a thread adds at most that many rows' terms
+      // of its dweight / dbias in float (130 rows of 40000 floats on one cluster: dweight 1.5x ATen's error).
+      const int64_t resident = device.resident_clusters(cluster_kernel, plan.threads, plan.dynamic_shared, plan.cluster);
+      const int64_t clusters = std::max(resident > 0 ? std::min(rows, resident) : rows,
+                                        (rows + kLongGroupRows - 1) / kLongGroupRows);
+      plan.grid = std::max<int64_t>(1, clusters) * cluster;
+      return plan;
+    }
+  }
+  // Long rows: pass 1, a persistent block per row for the row sums; pass 2, blocks of (column slice, row group).
   const int64_t slices = (units + kLongThreads - 1) / kLongThreads;
   plan.threads = kLongThreads;
   plan.lanes = static_cast<int>(std::min<int64_t>(slices * kLongThreads, 1 << 30));  // threads per row, pass 2
@@ -420,7 +472,7 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
   // is (dweight + dbias) * parts * cols * sizeof(A) (+ 4 * rows * sizeof(A)) bytes (README, "Workspace").
   const bool want_dweight = p.grad_weight != nullptr;
   const bool want_dbias = !kRms && p.grad_bias != nullptr;
-  const int64_t parts = long_path ? plan.row_groups : grid;
+  const int64_t parts = long_path ? plan.row_groups : grid / plan.cluster;
   const size_t partial_elements = static_cast<size_t>(parts) * p.cols;
   const size_t buffers = static_cast<size_t>(want_dweight) + static_cast<size_t>(want_dbias);
   const size_t terms_elements = long_path ? 4 * static_cast<size_t>(p.rows) : 0;
@@ -439,8 +491,19 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
 
   if (!long_path) {
     auto launch_rows = [&](auto packs, auto residual) {
-      auto kernel = backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, decltype(packs)::value, decltype(residual)::value>;
-      LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, smem, stream)(a);
+      constexpr int kPacks = decltype(packs)::value;
+      constexpr bool kResidual = decltype(residual)::value;
+      if (plan.cluster > 1) {
+        if constexpr (kPacks == cluster_packs<A, kVec>() && !std::is_same_v<A, double>) {
+          auto kernel = backward_cluster_kernel<Tg, Ts, Tw, kRms, kVec, kPacks, kResidual>;
+          if (plan.cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+          launch_on_clusters(kernel, static_cast<unsigned>(grid), static_cast<unsigned>(threads), smem, stream,
+                             static_cast<unsigned>(plan.cluster), a);
+        }
+      } else {
+        auto kernel = backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, kPacks, kResidual>;
+        LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, smem, stream)(a);
+      }
     };
     with_packs<kMax>(plan.packs, [&](auto packs) {
       if (p.grad_residual_out != nullptr) launch_rows(packs, std::true_type{});
@@ -541,6 +604,9 @@ LaunchPlan plan_for_input(const PlanQuery& query) {
     return static_cast<int64_t>(query.blocks_per_sm) * query.sm_count;
   };
   device.has_clusters = [&](const void*) { return query.compute_capability >= 90; };
+  device.resident_clusters = [&](const void* kernel, int threads, size_t shared_bytes, int cluster) {
+    return device.resident_blocks(kernel, threads, shared_bytes) / cluster;
+  };
   constexpr int kVec = pack_width<Tin>();
   LaunchPlan plan;
   dispatch_row_and_param_types<Tin>(query.row_type, query.param_type, [&](auto row_tag, auto param_tag) {

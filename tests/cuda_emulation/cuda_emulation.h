@@ -387,6 +387,16 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel, i
   *blocks = emulation::kBlocksPerSM;
   return cudaSuccess;
 }
+// Clusters of config's cluster dimension resident at once: the resident blocks, whole clusters of them.
+template <typename Kernel>
+cudaError_t cudaOccupancyMaxActiveClusters(int* clusters, Kernel, const cudaLaunchConfig_t* config) {
+  unsigned cluster = 1;
+  for (unsigned i = 0; i < config->numAttrs; ++i) {
+    if (config->attrs[i].id == cudaLaunchAttributeClusterDimension) cluster = config->attrs[i].val.clusterDim.x;
+  }
+  *clusters = static_cast<int>(emulation::kSMs * emulation::kBlocksPerSM / cluster);
+  return cudaSuccess;
+}
 template <typename Kernel>
 cudaError_t cudaFuncSetAttribute(Kernel, cudaFuncAttribute attribute, int value) {
   TORCH_CHECK(attribute != cudaFuncAttributeMaxDynamicSharedMemorySize || value <= emulation::kSharedOptin,

@@ -90,6 +90,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["lanes"] = plan.lanes;
         d["rows_per_block"] = plan.rows_per_block;
         d["packs"] = plan.packs;
+        d["vec"] = plan.vec;
         d["staged"] = plan.staged;
         d["cluster"] = plan.cluster;
         d["dynamic_shared"] = plan.dynamic_shared;
