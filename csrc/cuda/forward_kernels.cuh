@@ -872,18 +872,27 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
 
     // Pass 2: normalize. Each pack's weight and bias are loaded right before their use (they hit L2): loaded for
     // the whole chunk first, they took 128 registers and spilled (ptxas, sm_90, bfloat16 rows with float weights).
-    // Every valid pack of this thread's share of the row again (from the stage, or re-read): body(unit, h).
-    auto for_each_pack = [&](auto&& body) {
-      for (int64_t first = me, slot = threadIdx.x; first < a.units; first += chunk_step, slot += slot_step) {
+    // This thread's share of the row again, a chunk at a time (from the stage, or re-read): body(first, valid, h).
+    // kBlockBounds: while any thread of the block has a chunk (a block-uniform loop, for butterflies in the body).
+    auto for_each_chunk = [&](auto block_bounds, auto&& body) {
+      constexpr bool kBlockBounds = decltype(block_bounds)::value;
+      for (int64_t first = me, slot = threadIdx.x; (kBlockBounds ? first - threadIdx.x : first) < a.units;
+           first += chunk_step, slot += slot_step) {
         bool valid[kChunk];
         chunk_valid(first, valid);
         A h[kChunk][kVec];
         reload(first, slot, valid, h);
+        body(first, valid, h);
+      }
+    };
+    // Every valid pack of this thread's share of the row again: body(unit, h).
+    auto for_each_pack = [&](auto&& body) {
+      for_each_chunk(std::false_type{}, [&](int64_t first, const bool (&valid)[kChunk], A (&h)[kChunk][kVec]) {
 #pragma unroll
         for (int p = 0; p < kChunk; ++p) {
           if (valid[p]) body(first + static_cast<int64_t>(p) * lanes, h[p]);
         }
-      }
+      });
     };
     if constexpr (!kQuant) {
       for_each_pack([&](int64_t unit, A (&h)[kVec]) {
@@ -894,11 +903,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       // Per group (a group's packs in lanes of one warp): one pass, its bounds the block's (the butterflies); each
       // pack's absmax all-reduced over its group's lanes, then its codes.
       const QuantArgs& q = quant_args(quant...);
-      for (int64_t first = me, slot = threadIdx.x; first - threadIdx.x < a.units; first += chunk_step, slot += slot_step) {
-        bool valid[kChunk];
-        chunk_valid(first, valid);
-        A h[kChunk][kVec];
-        reload(first, slot, valid, h);
+      for_each_chunk(std::true_type{}, [&](int64_t first, const bool (&valid)[kChunk], A (&h)[kChunk][kVec]) {
 #pragma unroll
         for (int p = 0; p < kChunk; ++p) {
           const int64_t unit = first + static_cast<int64_t>(p) * lanes;
@@ -914,7 +919,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
               group_scaling(q, row, unit / q.group_units, absmax, valid[p] && unit % q.group_units == 0);
           store_group_codes<kVec>(q, row, a.units, unit, valid[p], f, scaling);
         }
-      }
+      });
       if (writer) zero_swizzle_padding(q, row);
     } else {
       // Quantized output: a pass for the absmax (dynamic scale), then one for the codes.
