@@ -179,8 +179,8 @@ __device__ __forceinline__ void element_terms(const RawPack<Tg, kVec>& dy_raw, c
 // groups of a block add their partials in group order through shared memory and the block writes its row of
 // the [gridDim.x, cols] partial buffers (reduce_partials_kernel finishes the sum in a fixed order).
 // kCluster (backward_cluster_kernel, sm_90): a row too long for one block's registers spans a thread-block cluster
-// of a.lanes / blockDim.x blocks (one row per cluster, rows_per_block 1): thread t of block c is lane
-// c * blockDim.x + t, the row's all-reduce takes one round through distributed shared memory (the cluster's
+// of a.lanes / kMaxRowThreads blocks of kMaxRowThreads (one row per cluster, rows_per_block 1): thread t of block c
+// is lane c * kMaxRowThreads + t, the row's all-reduce takes one round through distributed shared memory (the cluster's
 // barrier), and the cluster writes one row of the partial buffers, each block its own columns. So a long row is read
 // once (the two-pass long path reads dy and saved twice).
 template <typename A>
@@ -197,9 +197,9 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs<acc_t<Ts>>& a) 
   A* combine_buf = reinterpret_cast<A*>(combine_bytes);
   S(*scratch)[kMaxRowThreads / 32] = block_scratch;
   if constexpr (kCluster) scratch = reinterpret_cast<S(*)[kMaxRowThreads / 32]>(combine_bytes);
-  const int cluster = kCluster ? a.lanes / static_cast<int>(blockDim.x) : 1;
+  const int cluster = kCluster ? a.lanes / kMaxRowThreads : 1;  // blocks of kMaxRowThreads on a cluster
   const int group = kCluster ? 0 : threadIdx.x / a.lanes;
-  const int lane = kCluster ? static_cast<int>(blockIdx.x) % cluster * static_cast<int>(blockDim.x) + threadIdx.x
+  const int lane = kCluster ? static_cast<int>(blockIdx.x) % cluster * kMaxRowThreads + threadIdx.x
                             : threadIdx.x % a.lanes;
   const bool want_dweight = a.partial_dweight != nullptr;
   const bool want_dbias = a.partial_dbias != nullptr;
@@ -260,7 +260,7 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs<acc_t<Ts>>& a) 
         }
       }
     }
-    if constexpr (kCluster) s = cluster_allreduce(s, a.lanes / 32, scratch[parity]);
+    if constexpr (kCluster) s = cluster_allreduce<kMaxRowThreads>(s, a.lanes / 32, scratch[parity]);
     else s = row_allreduce_one_barrier(s, a.lanes, scratch[parity]);
     parity ^= 1;
     const RowCoefficients<A> c = row_coefficients<kRms>(a, rstd, s);

@@ -491,19 +491,20 @@ __device__ __forceinline__ const T* cluster_shared(const T* p, unsigned rank) {
 #endif
 }
 
-// All-reduce over a row that spans a cluster (`parts` warps, every thread of the cluster calling it): butterflies in
-// each warp, then one round through distributed shared memory (the cluster's barrier): each lane adds every 32nd
-// warp's value in warp order, and the warp's butterfly adds the lanes', the same order in every warp, so every
-// thread gets the same bits. `scratch`: this block's one Stat per warp, alternated by the caller from row to row.
-template <typename Stat>
+// All-reduce over a row that spans a cluster of blocks of kBlockThreads (`parts` warps, every thread of the cluster
+// calling it): butterflies in each warp, then one round through distributed shared memory (the cluster's barrier):
+// each lane adds every 32nd warp's value in warp order, and the warp's butterfly adds the lanes', the same order in
+// every warp, so every thread gets the same bits. `scratch`: this block's one Stat per warp, alternated by the
+// caller from row to row. The block size is a constant: a run-time one cost three integer divisions per row.
+template <int kBlockThreads, typename Stat>
 __device__ __forceinline__ Stat cluster_allreduce(Stat s, int parts, Stat* scratch) {
+  constexpr int kBlockWarps = kBlockThreads / 32;
   s = warp_allreduce_32(s);
   if ((threadIdx.x & 31) == 0) scratch[threadIdx.x / 32] = s;
   cluster_sync();
-  const int block_warps = static_cast<int>(blockDim.x) / 32;
   Stat sum{};
   for (int i = threadIdx.x & 31; i < parts; i += 32) {
-    sum = combine(sum, cluster_shared(scratch, static_cast<unsigned>(i / block_warps))[i % block_warps]);
+    sum = combine(sum, cluster_shared(scratch, static_cast<unsigned>(i / kBlockWarps))[i % kBlockWarps]);
   }
   return warp_allreduce_32(sum);
 }

@@ -400,11 +400,10 @@ LaunchPlan plan_backward_vec(int64_t rows, int64_t cols, const DeviceLimits& dev
     const int64_t block_units = static_cast<int64_t>(kMaxRowThreads) * kPacks;
     const int64_t cluster = (units + block_units - 1) / block_units;
     if (cluster <= kMaxCluster && device.has_clusters(cluster_kernel)) {
-      const int64_t block_lanes = (units + kPacks * cluster - 1) / (kPacks * cluster);
       plan.cluster = static_cast<int>(cluster);
       plan.packs = kPacks;
       plan.rows_per_block = 1;
-      plan.threads = static_cast<int>((block_lanes + 31) / 32 * 32);
+      plan.threads = kMaxRowThreads;  // the kernel's constant (cluster_allreduce)
       plan.lanes = plan.threads * plan.cluster;
       plan.kernel = kernel_name<Tg, Ts, Tw>("backward_cluster_kernel", kRms, kVec, plan.packs, false);
       plan.row_groups = rows;
