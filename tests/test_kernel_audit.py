@@ -186,10 +186,17 @@ def test_plan_backward_is_persistent():
     assert uncapped["dynamic_shared"] == 128 * 2 * 8 * 4  # the block's partials combine buffer
     capped = _plan(direction="backward", op="rms_norm", cols=256, rows=100000, blocks_per_sm=4)
     assert capped["grid"] == 4 * 132
-    # Long rows: 32 column slices of 256 packs x 8 row groups (of 8 rows) fill the 2 x 132 resident blocks.
-    long_rows = _plan(direction="backward", cols=65536, rows=64, blocks_per_sm=2)
+    # Rows beyond one block's registers (sm_90): a cluster of 8 blocks of 512 per row of 65536, as many clusters as
+    # the 2 x 132 resident blocks hold (33), each writing one row of partials.
+    cluster = _plan(direction="backward", cols=65536, rows=64, blocks_per_sm=2)
+    assert cluster["kernel"] == "backward_cluster_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, false, 8, 2, false>"
+    assert (cluster["cluster"], cluster["threads"], cluster["lanes"], cluster["grid"]) == (8, 512, 4096, 33 * 8)
+    assert cluster["persistent"] and cluster["dynamic_shared"] == 2 * 3 * 4 * 16  # the warps' sums, double-buffered
+    # Beyond 16 blocks' registers: 128 column slices of 256 packs x 2 row groups (of 32 rows) fill the 2 x 132
+    # resident blocks.
+    long_rows = _plan(direction="backward", cols=262144, rows=64, blocks_per_sm=2)
     assert long_rows["kernel"] == "backward_long_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, false, 8, false>"
-    assert (long_rows["grid"], long_rows["row_groups"], long_rows["group_rows"]) == (32 * 8, 8, 8)
+    assert (long_rows["grid"], long_rows["row_groups"], long_rows["group_rows"]) == (128 * 2, 2, 32)
     assert long_rows["sums_kernel"].startswith("backward_long_sums_kernel") and long_rows["sums_grid"] == 64
 
 
