@@ -20,7 +20,7 @@
 // gets a positive scale and codes 0.
 // NVFP4 (float4_e2m1fn_x2 codes, blocks of 16 columns): two levels, a static float32 global scale and a dynamic
 // float8_e4m3fn scale per block (nvfp4_scale_bits below).
-// The block scales' swizzled layout of the Blackwell scaled matmuls (swizzled_scale_index, host code only).
+// The block scales' swizzled layout of the Blackwell scaled matmuls (swizzled_scale_index).
 // Plain C++ (no torch header): the CPU instruction-set objects include it; every function has internal linkage.
 #pragma once
 
@@ -233,30 +233,26 @@ LNX_QUANT_FN Scaling nvfp4_scaling(uint8_t scale_bits, float inverse_global_scal
 
 LNX_QUANT_FN float scaled(float y, Scaling s) { return s.divide ? y / s.factor : y * s.factor; }
 
-#if !defined(__CUDA_ARCH__)
 // The block-scale layout of the Blackwell scaled matmuls (cuBLAS's "1D block scaling factors layout", torch's
 // SwizzleType.SWIZZLE_32_4_4, torch's to_blocked): the rows x blocks scale matrix padded to rows a multiple of 128
 // and blocks a multiple of 4, cut into 128 x 4 tiles stored one after another (the tiles of rows 0-127 first, left
 // to right), each tile's 512 bytes as 32 x 16: row r, block b of a tile at (r % 32) * 16 + (r / 32) * 4 + b.
-// Host code only (the CPU kernels and the op bodies; CUDA refuses block scales so far): plain host functions, out of
-// nvcc's device pass, so that its code for the kernels stays the same.
 constexpr int64_t kSwizzleTileRows = 128, kSwizzleTileBlocks = 4;
 
-static inline int64_t swizzled_scale_rows(int64_t rows) {
+LNX_QUANT_FN int64_t swizzled_scale_rows(int64_t rows) {
   return (rows + kSwizzleTileRows - 1) / kSwizzleTileRows * kSwizzleTileRows;
 }
-static inline int64_t swizzled_scale_blocks(int64_t blocks) {
+LNX_QUANT_FN int64_t swizzled_scale_blocks(int64_t blocks) {
   return (blocks + kSwizzleTileBlocks - 1) / kSwizzleTileBlocks * kSwizzleTileBlocks;
 }
 
 // Where the scale of (row, block) goes, of a matrix of blocks blocks per row.
-static inline int64_t swizzled_scale_index(int64_t row, int64_t block, int64_t blocks) {
+LNX_QUANT_FN int64_t swizzled_scale_index(int64_t row, int64_t block, int64_t blocks) {
   const int64_t tile = row / kSwizzleTileRows * (swizzled_scale_blocks(blocks) / kSwizzleTileBlocks) +
                        block / kSwizzleTileBlocks;
   const int64_t r = row % kSwizzleTileRows;
   return tile * (kSwizzleTileRows * kSwizzleTileBlocks) + (r % 32) * 16 + (r / 32) * 4 + block % kSwizzleTileBlocks;
 }
-#endif
 
 }  // namespace quant
 }  // namespace layernorm_ext

@@ -181,24 +181,31 @@ __device__ __forceinline__ quant::Scaling row_scaling(const QuantArgs& q, int64_
 // Where the scale of (row, group) goes: the scaled matmuls' swizzled tiles (MX / NVFP4), or the strides.
 __device__ __forceinline__ int64_t group_scale_index(const QuantArgs& q, int64_t row, int64_t group) {
   if (!q.swizzled) return row * q.scale_row_stride + group * q.scale_group_stride;
-  constexpr int64_t kTileRows = 128, kTileBlocks = 4;  // quant::swizzled_scale_index, on the device
-  const int64_t padded_groups = (q.groups + kTileBlocks - 1) / kTileBlocks * kTileBlocks;
-  const int64_t tile = row / kTileRows * (padded_groups / kTileBlocks) + group / kTileBlocks;
-  const int64_t r = row % kTileRows;
-  return tile * (kTileRows * kTileBlocks) + (r % 32) * 16 + (r / 32) * 4 + group % kTileBlocks;
+  return quant::swizzled_scale_index(row, group, q.groups);
+}
+
+// NVFP4's float32 global scale and its reciprocal, read once per row, not per group: for the compiler, each store
+// of a block scale could change *q.scale.
+struct GlobalScale {
+  float value = 0.0f, inverse = 0.0f;
+};
+__device__ __forceinline__ GlobalScale nvfp4_global_scale(const QuantArgs& q) {
+  if (q.code != quant::Code::kE2m1) return {};
+  const float value = *q.scale;
+  return {value, quant::reciprocal_or_zero(value)};
 }
 
 // How a group's codes are scaled, from its absmax (the same steps as the CPU's quantize_row_as); `first` (the
 // thread of the group's first pack) stores its scale.
-__device__ __forceinline__ quant::Scaling group_scaling(const QuantArgs& q, int64_t row, int64_t group, float absmax,
-                                                        bool first) {
+__device__ __forceinline__ quant::Scaling group_scaling(const QuantArgs& q, GlobalScale global, int64_t row,
+                                                        int64_t group, float absmax, bool first) {
   const int64_t at = group_scale_index(q, row, group);
   if (q.block_scales != nullptr) {
     const bool nvfp4 = q.code == quant::Code::kE2m1;
-    const uint8_t bits = nvfp4 ? quant::nvfp4_scale_bits(absmax, *q.scale)
+    const uint8_t bits = nvfp4 ? quant::nvfp4_scale_bits(absmax, global.value)
                                : quant::mx_scale_bits(quant::capped(absmax, q.scale_ub), q.code);
     if (first) q.block_scales[at] = bits;
-    return nvfp4 ? quant::nvfp4_scaling(bits, quant::reciprocal_or_zero(*q.scale)) : quant::mx_scaling(bits);
+    return nvfp4 ? quant::nvfp4_scaling(bits, global.inverse) : quant::mx_scaling(bits);
   }
   const float scale = quant::dynamic_scale(absmax, q.scale_ub, q.code);
   if (first) q.row_scales[at] = scale;
@@ -557,6 +564,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
       const QuantArgs& q = quant_args(quant...);
       const int group_lanes = q.group_units < a.lanes ? q.group_units : a.lanes;
       const int group_packs = q.group_units / group_lanes;
+      const GlobalScale global = nvfp4_global_scale(q);
       float absmax[kPacks];
 #pragma unroll
       for (int p = 0; p < kPacks; ++p) {
@@ -579,7 +587,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
         float f[kVec] = {};
         if (valid[p]) output_floats<Tin, Tw, kRms, A, kVec>(a, h[p], st, affine(p), f);
         const quant::Scaling scaling =
-            group_scaling(q, row, unit / q.group_units, absmax[p], valid[p] && unit % q.group_units == 0);
+            group_scaling(q, global, row, unit / q.group_units, absmax[p], valid[p] && unit % q.group_units == 0);
         store_group_codes<kVec>(q, row, a.units, unit, valid[p], f, scaling);
       }
       if (writer) zero_swizzle_padding(q, row);
@@ -903,6 +911,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       // Per group (a group's packs in lanes of one warp): one pass, its bounds the block's (the butterflies); each
       // pack's absmax all-reduced over its group's lanes, then its codes.
       const QuantArgs& q = quant_args(quant...);
+      const GlobalScale global = nvfp4_global_scale(q);
       for_each_chunk(std::true_type{}, [&](int64_t first, const bool (&valid)[kChunk], A (&h)[kChunk][kVec]) {
 #pragma unroll
         for (int p = 0; p < kChunk; ++p) {
@@ -916,7 +925,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
           }
           absmax = warp_allreduce(AbsMax{absmax}, q.group_units).v;
           const quant::Scaling scaling =
-              group_scaling(q, row, unit / q.group_units, absmax, valid[p] && unit % q.group_units == 0);
+              group_scaling(q, global, row, unit / q.group_units, absmax, valid[p] && unit % q.group_units == 0);
           store_group_codes<kVec>(q, row, a.units, unit, valid[p], f, scaling);
         }
       });
