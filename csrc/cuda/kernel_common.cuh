@@ -509,24 +509,35 @@ __device__ __forceinline__ Stat cluster_allreduce(Stat s, int parts, Stat* scrat
   return warp_allreduce_32(sum);
 }
 
-// kernel<<<grid, threads, shared_bytes, stream>>>(args...) on clusters of `cluster` blocks (1 to 16; beyond 8
-// the kernel must allow non-portable sizes), through cudaLaunchKernelEx and its cluster dimension attribute.
+// The launch configuration of `kernel` on clusters of `cluster` blocks (1 to 16), for cudaLaunchKernelEx and
+// cudaOccupancyMaxActiveClusters; beyond 8 it first lets the kernel take non-portable cluster sizes.
+struct ClusterLaunch {
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute attribute{};
+  ClusterLaunch(const void* kernel, unsigned grid, unsigned threads, size_t shared_bytes, cudaStream_t stream,
+                unsigned cluster) {
+    if (cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = shared_bytes;
+    config.stream = stream;
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = cluster;
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;  // config points at attribute
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+
+// kernel<<<grid, threads, shared_bytes, stream>>>(args...) on clusters of `cluster` blocks.
 template <typename... Params, typename... Args>
 void launch_on_clusters(void (*kernel)(Params...), unsigned grid, unsigned threads, size_t shared_bytes,
                         cudaStream_t stream, unsigned cluster, Args... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = shared_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = cluster;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+  const ClusterLaunch launch(reinterpret_cast<const void*>(kernel), grid, threads, shared_bytes, stream, cluster);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, kernel, args...));
 }
 
 constexpr int kMaxRowThreads = 512;   // threads per row of the register paths, and block size of the long path

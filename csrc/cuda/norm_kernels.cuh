@@ -149,20 +149,10 @@ inline DeviceLimits current_device_limits() {
     return attributes.binaryVersion >= 90;  // the code that runs has the cluster barriers (LNX_CLUSTERS)
   };
   device.resident_clusters = [](const void* kernel, int threads, size_t shared_bytes, int cluster) {
-    if (cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>(cluster));
-    config.blockDim = dim3(static_cast<unsigned>(threads));
-    config.dynamicSmemBytes = shared_bytes;
-    cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
+    const ClusterLaunch launch(kernel, static_cast<unsigned>(cluster), static_cast<unsigned>(threads), shared_bytes,
+                               nullptr, static_cast<unsigned>(cluster));
     int clusters = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.config));
     return static_cast<int64_t>(clusters);
   };
   return device;
@@ -307,7 +297,6 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
       if (plan.cluster == 1) {
         LNX_LAUNCH(kernel, grid, plan.threads, plan.dynamic_shared, stream)(a, plan.staged, quant...);
       } else {
-        if (plan.cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
         launch_on_clusters(kernel, grid, plan.threads, plan.dynamic_shared, stream, static_cast<unsigned>(plan.cluster), a,
                            plan.staged, quant...);
       }
@@ -495,9 +484,10 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
       if (plan.cluster > 1) {
         if constexpr (kPacks == cluster_packs<A, kVec>() && !std::is_same_v<A, double>) {
           auto kernel = backward_cluster_kernel<Tg, Ts, Tw, kRms, kVec, kPacks, kResidual>;
-          if (plan.cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
           launch_on_clusters(kernel, static_cast<unsigned>(grid), static_cast<unsigned>(threads), smem, stream,
                              static_cast<unsigned>(plan.cluster), a);
+        } else {
+          TORCH_INTERNAL_ASSERT(false, "backward plan on clusters with ", kPacks, " packs per lane: no such kernel");
         }
       } else {
         auto kernel = backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, kPacks, kResidual>;
