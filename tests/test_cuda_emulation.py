@@ -625,10 +625,52 @@ def test_emulated_group_quantized_output(
     _same_bits(got_h, h, "residual_out")
 
 
+# Groups wider than a warp's vectors (a group's absmax through shared memory, one barrier a round): (dtype, N, group
+# size, storage offset) for block rows (bf16 4096: 2, 8 and 64 warps' worth, the last a whole row of packs; fp32
+# 1024: the group wider than the row's lanes, then folded over packs), a sub-warp row of 64 packs (folded), the
+# element-wise kernels of unaligned rows (vLLM's group 128), the long path staged (fp32 20480) and on a cluster
+# of 2 (bf16 65536).
+WIDE_GROUPS = ((BF16, 4096, 512, 0), (BF16, 4096, 2048, 0), (BF16, 4096, 4096, 0), (F32, 1024, 1024, 0),
+               (BF16, 512, 512, 0), (BF16, 768, 128, 1), (F32, 5120, 256, 1), (F32, 20480, 2048, 0),
+               (BF16, 65536, 4096, 0))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8-column_major", "mx-e5m2"])
+@pytest.mark.parametrize(("dtype", "n", "group_size", "offset"), WIDE_GROUPS,
+                         ids=[f"{str(d)[6:]}-n{n}g{g}o{o}" for d, n, g, o in WIDE_GROUPS])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_emulated_wide_group_quantized_output(
+    emulated: ModuleType, rms: bool, dtype: torch.dtype, n: int, group_size: int, offset: int, fmt: str
+) -> None:
+    """Groups of more than 32 vectors: codes and scales are the composite of the emulated forward's output, bit for
+    bit, with each group's largest value (a NaN in one row) in a different warp of the group each time."""
+    gen = torch.Generator().manual_seed(n + group_size + offset)
+    m = _rows(n)
+    x = (torch.randn(m * n + offset, generator=gen) * 2 + 0.3).to(dtype)[offset:].view(m, n)
+    groups = n // group_size
+    for g in range(groups):  # the group's peak in its last lanes' packs, then its first lanes', ...
+        x[g % m, g * group_size + (group_size - 1 - 37 * g) % group_size] = 40.0
+    x[m - 1, n - 1] = float("nan")
+    w = (torch.randn(n, generator=gen) * 0.5 + 1).to(dtype)
+    b = (torch.randn(n, generator=gen) * 0.2).to(dtype)
+    y = emulated.rms_norm_fwd(x, [n], w, 1e-6, None, False)[0] if rms else \
+        emulated.layer_norm_fwd(x, [n], w, b, 1e-5, None, False)[0]
+    kw = _group_call(fmt, group_size, y)
+    if rms:
+        codes, scales, _ = emulated.rms_norm_quant(x, [n], w, 1e-6, scale=None, scale_ub=None, residual=None, **kw)
+    else:
+        codes, scales, _ = emulated.layer_norm_quant(x, [n], w, b, 1e-5, scale=None, scale_ub=None, residual=None,
+                                                     **kw)
+    want_codes, want_scales = _group_reference(fmt, kw, y, None)
+    same_group_output(codes, want_codes, "codes")
+    same_group_output(scales, want_scales, "scales")
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_emulated_group_quant_of_unaligned_rows(emulated: ModuleType, fmt: str) -> None:
     """Rows at an odd storage offset take the element-wise kernels (a lane per element; NVFP4 pairs a lane's code
-    with its neighbour's by a shuffle); a group of more than 32 of their elements has no CUDA kernel: refused."""
+    with its neighbour's by a shuffle); a group of more than a block's lanes (512) of their elements has no CUDA
+    kernel: refused."""
     m, n = 9, 768
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(m * n + 1, generator=gen).to(BF16)[1:].view(m, n)
@@ -641,9 +683,10 @@ def test_emulated_group_quant_of_unaligned_rows(emulated: ModuleType, fmt: str) 
     want_codes, want_scales = _group_reference(fmt, kw, y, None)
     same_group_output(codes, want_codes, "codes")
     same_group_output(scales, want_scales, "scales")
-    with pytest.raises(NotImplementedError, match="power of two and at most 32 times"):
-        emulated.rms_norm_quant(x, [n], w, 1e-6, quant_dtype=torch.float8_e4m3fn, scale=None, scale_ub=None,
-                                residual=None, group_size=128)
+    wide = torch.randn(2 * 2048 + 1, generator=gen).to(BF16)[1:].view(2, 2048)
+    with pytest.raises(NotImplementedError, match="power of two and at most 512 times"):
+        emulated.rms_norm_quant(wide, [2048], None, 1e-6, quant_dtype=torch.float8_e4m3fn, scale=None, scale_ub=None,
+                                residual=None, group_size=1024)
     with pytest.raises(NotImplementedError, match="power of two"):
         emulated.rms_norm_quant(x.contiguous(), [n], w, 1e-6, quant_dtype=torch.float8_e4m3fn, scale=None,
                                 scale_ub=None, residual=None, group_size=96)

@@ -212,6 +212,27 @@ __device__ __forceinline__ quant::Scaling group_scaling(const QuantArgs& q, Glob
   return quant::group_scaling(scale);
 }
 
+// A pack's absmax over the `width` lanes of its group (a power of two; groups aligned in the row): butterflies in
+// the warp, and for a group wider than a warp (its warps in one block: every thread of the block calls this alike)
+// one round through shared memory, `scratch[round & 1]` (a value per warp of the block). The caller alternates
+// `round` from call to call, so that one barrier a call suffices: a thread writes a buffer again only after the
+// next call's barrier, which every reader of the buffer has passed.
+__device__ __forceinline__ float group_absmax(float absmax, int width, AbsMax (*scratch)[kMaxRowThreads / 32],
+                                              int round) {
+  absmax = warp_allreduce(AbsMax{absmax}, width < 32 ? width : 32).v;
+  if (width > 32) {
+    AbsMax* warps = scratch[round & 1];
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    if ((threadIdx.x & 31) == 0) warps[warp] = AbsMax{absmax};
+    __syncthreads();
+    const int first = warp & ~(width / 32 - 1);
+    AbsMax m = warps[first];
+    for (int w = 1; w < width / 32; ++w) m = combine(m, warps[first + w]);
+    absmax = m.v;
+  }
+  return absmax;
+}
+
 // A row's padding blocks of its last swizzled tile: zeros, as torch's to_blocked pads (the row's writer).
 __device__ __forceinline__ void zero_swizzle_padding(const QuantArgs& q, int64_t row) {
   if (!q.swizzled) return;
@@ -563,13 +584,36 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
       // wider than its lanes, then over the lane's packs of the group), then its codes from the registers again.
       const QuantArgs& q = quant_args(quant...);
       const int group_lanes = q.group_units < a.lanes ? q.group_units : a.lanes;
-      const int group_packs = q.group_units / group_lanes;
+      const int group_packs = group_lanes > 32 ? 1 : q.group_units / group_lanes;  // > 1: folded over packs
       const GlobalScale global = nvfp4_global_scale(q);
       float absmax[kPacks];
 #pragma unroll
       for (int p = 0; p < kPacks; ++p) {
         absmax[p] = valid[p] ? fold_absmax<Tin, Tw, kRms, A, kVec>(a, h[p], st, affine(p), 0.0f) : 0.0f;
-        absmax[p] = warp_allreduce(AbsMax{absmax[p]}, group_lanes).v;
+        absmax[p] = warp_allreduce(AbsMax{absmax[p]}, group_lanes < 32 ? group_lanes : 32).v;
+      }
+      if (group_lanes > 32) {
+        // Groups of several warps' packs, in a block row (lanes a multiple of 32 but not of the group's: a group
+        // may span two rounds of packs). A warp's 32 packs of a round lie in one group: their absmax goes to
+        // shared memory at the place of those packs in the row (segment p * warps + warp), and each pack takes
+        // its group's segments'. The next row's statistics' barrier keeps its writes from this row's reads.
+        __shared__ AbsMax segments[kPacks * (kMaxRowThreads / 32)];
+        const int warps = a.lanes / 32;
+        if ((lane & 31) == 0) {
+#pragma unroll
+          for (int p = 0; p < kPacks; ++p) segments[p * warps + lane / 32] = AbsMax{absmax[p]};
+        }
+        __syncthreads();
+        const int group_segments = q.group_units / 32;
+#pragma unroll
+        for (int p = 0; p < kPacks; ++p) {
+          if (valid[p]) {
+            const int first = (p * a.lanes + lane) / q.group_units * group_segments;
+            AbsMax m = segments[first];
+            for (int k = 1; k < group_segments; ++k) m = combine(m, segments[first + k]);
+            absmax[p] = m.v;
+          }
+        }
       }
 #pragma unroll
       for (int span = 1; span < kPacks; span *= 2) {
@@ -912,9 +956,10 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       // pack's absmax all-reduced over its group's lanes, then its codes.
       const QuantArgs& q = quant_args(quant...);
       const GlobalScale global = nvfp4_global_scale(q);
+      int round = 0;  // group_absmax's: kChunk (even) a chunk, so every row starts on buffer 0
       for_each_chunk(std::true_type{}, [&](int64_t first, const bool (&valid)[kChunk], A (&h)[kChunk][kVec]) {
 #pragma unroll
-        for (int p = 0; p < kChunk; ++p) {
+        for (int p = 0; p < kChunk; ++p, ++round) {
           const int64_t unit = first + static_cast<int64_t>(p) * lanes;
           float f[kVec] = {};
           float absmax = 0.0f;
@@ -923,7 +968,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
 #pragma unroll
             for (int j = 0; j < kVec; ++j) absmax = quant::nan_max(absmax, fabsf(f[j]));
           }
-          absmax = warp_allreduce(AbsMax{absmax}, q.group_units).v;
+          absmax = group_absmax(absmax, q.group_units, warp_absmax, round);
           const quant::Scaling scaling =
               group_scaling(q, global, row, unit / q.group_units, absmax, valid[p] && unit % q.group_units == 0);
           store_group_codes<kVec>(q, row, a.units, unit, valid[p], f, scaling);

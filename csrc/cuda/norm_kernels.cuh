@@ -253,11 +253,13 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
   QuantArgs q{p.codes, p.scale, p.scale_ub, p.row_scales, quant_code(p.quant_type)};
   if (p.group_size > 0) {
     const int64_t group_units = p.group_size / kVec;
+    // A group's lanes all in one block (group_absmax), the long path's blocks being kMaxRowThreads.
     TORCH_CHECK_NOT_IMPLEMENTED(
-        p.group_size % kVec == 0 && group_units <= 32 && (group_units & (group_units - 1)) == 0,
-        "layernorm_ext: per-group and block scales on CUDA need a group_size that is a power of two and at most 32 "
-        "times the elements of the kernel's vector (", kVec, " here: ", 16 / sizeof(Tin), " for ", sizeof(Tin),
-        "-byte elements when the tensors are 16-byte aligned, else 1), but got group_size=", p.group_size);
+        p.group_size % kVec == 0 && group_units <= kMaxRowThreads && (group_units & (group_units - 1)) == 0,
+        "layernorm_ext: per-group and block scales on CUDA need a group_size that is a power of two and at most ",
+        kMaxRowThreads, " times the elements of the kernel's vector (", kVec, " here: ", 16 / sizeof(Tin), " for ",
+        sizeof(Tin), "-byte elements when the tensors are 16-byte aligned, else 1), but got group_size=",
+        p.group_size);
     q.group_units = static_cast<int>(group_units);
     q.groups = p.cols / p.group_size;
     q.block_scales = p.nvfp4_scales != nullptr ? p.nvfp4_scales : p.mx_scales;
