@@ -626,18 +626,18 @@ def test_emulated_group_quantized_output(
 
 
 # Groups wider than a warp's vectors (a group's absmax through shared memory, one barrier a round): (dtype, N, group
-# size, storage offset) for block rows (bf16 4096: 2, 8 and 64 warps' worth, the last a whole row of packs; fp32
-# 1024: the group wider than the row's lanes, then folded over packs), a sub-warp row of 64 packs (folded), the
-# element-wise kernels of unaligned rows (vLLM's group 128), the long path staged (fp32 20480) and on a cluster
-# of 2 (bf16 65536).
-WIDE_GROUPS = ((BF16, 4096, 512, 0), (BF16, 4096, 2048, 0), (BF16, 4096, 4096, 0), (F32, 1024, 1024, 0),
-               (BF16, 512, 512, 0), (BF16, 768, 128, 1), (F32, 5120, 256, 1), (F32, 20480, 2048, 0),
-               (BF16, 65536, 4096, 0))
+# size, storage offset, format) for block rows (bf16 4096: 2, 8 and 64 warps' worth, the last a whole row of packs;
+# fp32 1024: the group wider than the row's lanes, then folded over packs), a sub-warp row of 64 packs (folded),
+# the element-wise kernels of unaligned rows (vLLM's group 128; 6 and 10 warps, so groups span two rounds of packs),
+# the long path staged (fp32 20480) and on a cluster of 2 (bf16 65536). The formats differ only after the absmax.
+WIDE_GROUPS = ((BF16, 4096, 512, 0, "fp8"), (BF16, 4096, 2048, 0, "int8-column_major"),
+               (BF16, 4096, 4096, 0, "mx-e5m2"), (F32, 1024, 1024, 0, "fp8"), (BF16, 512, 512, 0, "int8-column_major"), (BF16, 768, 128, 1, "fp8"),
+               (F32, 5120, 256, 1, "mx-e5m2"), (F32, 20480, 2048, 0, "int8-column_major"),
+               (BF16, 65536, 4096, 0, "fp8"))
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int8-column_major", "mx-e5m2"])
-@pytest.mark.parametrize(("dtype", "n", "group_size", "offset"), WIDE_GROUPS,
-                         ids=[f"{str(d)[6:]}-n{n}g{g}o{o}" for d, n, g, o in WIDE_GROUPS])
+@pytest.mark.parametrize(("dtype", "n", "group_size", "offset", "fmt"), WIDE_GROUPS,
+                         ids=[f"{str(d)[6:]}-n{n}g{g}o{o}-{f}" for d, n, g, o, f in WIDE_GROUPS])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 def test_emulated_wide_group_quantized_output(
     emulated: ModuleType, rms: bool, dtype: torch.dtype, n: int, group_size: int, offset: int, fmt: str
