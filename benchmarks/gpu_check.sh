@@ -113,6 +113,9 @@ fi
 # ---- 4. host time per call on CUDA, ours vs ATen (issue 10's table; about 30 s) ---------------------------------
 step overhead 60 35 overhead.log "$PY" benchmarks/overhead.py --devices cuda --out "$OUT/overhead.md"
 
+# Quantized output (fused against norm + torch's quantize ops; codes checked equal first).
+step quant 45 150 quant.log "$PY" benchmarks/quantized.py --device cuda --repeats 20
+
 # ---- 5. benchmark: copy bandwidth C, ours vs ATen (Liger, Quack), M >= 8192 rows, decode sizes -----------------
 step bench 600 5 bench.log "$PY" benchmarks/bench.py --gpu-check --out "$OUT/bench.md"
 
@@ -130,6 +133,7 @@ step bench 600 5 bench.log "$PY" benchmarks/bench.py --gpu-check --out "$OUT/ben
     [ -f "$OUT/$t.log" ] && echo "$t: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize_cases:' "$OUT/$t.log" | tr '\n' ' ')"
   done
   [ -f "$OUT/overhead.md" ] && grep -E '^Worst|^\| cuda' "$OUT/overhead.md" | grep -E '1x8|Worst'
+  [ -f "$OUT/quant.log" ] && grep -E '^copy|^\| [0-9]' "$OUT/quant.log"
   if [ -f "$OUT/bench.md" ]; then
     grep -E '^- C = ' "$OUT/bench.md" | cut -c1-60
     sed -n '/^## Summary/,/^## /p' "$OUT/bench.md" | grep '^|'

@@ -1,14 +1,18 @@
 """Quantized output (issue 27): our fused norm + quantize against the unfused composite (our norm, then torch ops
-computing the same codes: absmax, scale, multiply / divide, clamp, cast), per row, per group and NVFP4, CPU, one
-thread, the median of --repeats timings of one call, no grad. The composite's codes are checked equal to ours first.
+computing the same codes: absmax, scale, multiply / divide, clamp, cast), per row, per group and NVFP4, the median
+of --repeats timings of one call, no grad. The composite's codes are checked equal to ours first. CPU: one thread.
+CUDA: CUDA events, L2 flushed between calls (bench_timing.CudaTimer), and the fused call's GB/s (input read, codes
+and scales written) as a fraction of the device's copy bandwidth.
 
-    python benchmarks/quantized.py [--repeats 20]
+    python benchmarks/quantized.py [--repeats 20] [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,6 +20,7 @@ import torch
 import layernorm_ext as L
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_timing import CudaTimer, copy_peak_gbps  # noqa: E402
 from strided import median_us  # noqa: E402
 
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
@@ -58,13 +63,43 @@ def composite_nvfp4(x: torch.Tensor, w: torch.Tensor, global_scale: torch.Tensor
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    print("| shape | scales | codes | fused (us) | composite (us) | composite / fused |")
-    print("|---|---|---|---|---|---|")
-    for rows, cols in ((64, 4096), (2048, 4096)):
-        x = torch.randn(rows, cols, dtype=torch.bfloat16)
-        w = torch.randn(cols, dtype=torch.bfloat16)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        timer = CudaTimer(device)
+        copy_gbps = copy_peak_gbps(device)
+        shapes = ((64, 4096), (8192, 4096), (8192, 8192))
+
+        def time_us(fn: Callable[[], object]) -> float:
+            timer(fn, 3)
+            return statistics.median(timer(fn, args.repeats)) * 1e6
+        print(f"copy bandwidth C = {copy_gbps:.0f} GB/s (read + write)\n")
+        print("| shape | scales | codes | fused (us) | composite (us) | composite / fused | fused GB/s | of C |")
+        print("|---|---|---|---|---|---|---|---|")
+    else:
+        torch.set_num_threads(1)
+        shapes = ((64, 4096), (2048, 4096))
+
+        def time_us(fn: Callable[[], object]) -> float:
+            return median_us(fn, args.repeats)
+        print("| shape | scales | codes | fused (us) | composite (us) | composite / fused |")
+        print("|---|---|---|---|---|---|")
+
+    def row(shape: str, kind: str, codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, ours: float,
+            theirs: float) -> None:
+        line = f"| {shape} | {kind} | {str(codes.dtype).removeprefix('torch.')} | {ours:.0f} | {theirs:.0f} | " \
+               f"{theirs / ours:.2f}x |"
+        if device.type == "cuda":
+            moved = x.nbytes + codes.nbytes + scales.nbytes  # the weight stays in L2 across rows
+            gbps = moved / (ours * 1e-6) / 1e9
+            line += f" {gbps:.0f} | {gbps / copy_gbps:.2f} |"
+        print(line)
+
+    for rows, cols in shapes:
+        x = torch.randn(rows, cols, dtype=torch.bfloat16, device=device)
+        w = torch.randn(cols, dtype=torch.bfloat16, device=device)
+        shape = f"{rows}x{cols} bf16"
         for group_size in (0, 128):
             for quant_dtype in (torch.float8_e4m3fn, torch.int8):
                 def fused() -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,11 +112,10 @@ def main() -> None:
                     (codes, scales), (want_codes, want_scales) = fused(), unfused()
                     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
                     assert torch.equal(scales, want_scales)
-                    ours, theirs = median_us(fused, args.repeats), median_us(unfused, args.repeats)
+                    ours, theirs = time_us(fused), time_us(unfused)
                 kind = f"per group of {group_size}" if group_size else "per row"
-                print(f"| {rows}x{cols} bf16 | {kind} | {str(quant_dtype).removeprefix('torch.')} | {ours:.0f} | "
-                      f"{theirs:.0f} | {theirs / ours:.2f}x |")
-        global_scale = torch.tensor([448.0 * 6.0]) / L.rms_norm(x, cols, w, 1e-6).float().abs().amax()
+                row(shape, kind, codes, scales, x, ours, theirs)
+        global_scale = (448.0 * 6.0) / L.rms_norm(x, cols, w, 1e-6).float().abs().amax().reshape(1)
 
         def fused_nvfp4() -> tuple[torch.Tensor, torch.Tensor]:
             return L.rms_norm_quant(x, cols, w, 1e-6, quant_dtype=torch.float4_e2m1fn_x2, scale=global_scale)
@@ -93,9 +127,8 @@ def main() -> None:
             (codes, scales), (want_codes, want_scales) = fused_nvfp4(), unfused_nvfp4()
             assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
             assert torch.equal(scales.view(torch.uint8), want_scales.view(torch.uint8))
-            ours, theirs = median_us(fused_nvfp4, args.repeats), median_us(unfused_nvfp4, args.repeats)
-        print(f"| {rows}x{cols} bf16 | NVFP4 (e4m3 per 16) | float4_e2m1fn_x2 | {ours:.0f} | {theirs:.0f} | "
-              f"{theirs / ours:.2f}x |")
+            ours, theirs = time_us(fused_nvfp4), time_us(unfused_nvfp4)
+        row(shape, "NVFP4 (e4m3 per 16)", codes, scales, x, ours, theirs)
 
 
 if __name__ == "__main__":
