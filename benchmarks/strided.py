@@ -2,7 +2,9 @@
 ours in place against the copy paths (ATen on the view, ours after .contiguous(), timm's permute + layer_norm);
 then LayerNorm2d on contiguous NCHW input, forward (no grad) and forward + backward: ours in place (the CPU's
 channels-first kernels) against ours on a channels_last copy (what the op did before them) and timm's path.
-CPU, one thread, the median of --repeats timings of one call.
+CPU, one thread, the median of --repeats timings of one call, and the MB that one call's copies move beyond the
+norm's own reads and writes (copied_mb: every aten::copy_ the profiler records, those inside ATen's kernels
+included, each reading and writing its elements; a composite's intermediates are not counted).
 
     python benchmarks/strided.py [--repeats 30]
 """
@@ -10,6 +12,7 @@ CPU, one thread, the median of --repeats timings of one call.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -31,26 +34,38 @@ def median_us(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def copied_mb(fn: Callable[[], object], element_size: int) -> float:
+    """MB read and written by the copies of one call of fn (see the module's docstring), elements of element_size
+    bytes."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    elements = sum(math.prod(e.input_shapes[1]) for e in prof.events() if e.name == "aten::copy_")
+    return 2 * elements * element_size / 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("| case | dtype | ours, strided (us) | ours on .contiguous() (us) | ATen (us) |")
-    print("|---|---|---|---|---|")
+    print("| case | dtype | ours, strided (us) | ours on .contiguous() (us) | ATen (us) | MB copied: ours, strided "
+          "/ on .contiguous() / ATen |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     tokens, heads, head_dim = 2048, 32, 128
     for dtype in (torch.float32, torch.bfloat16):
         qkv = torch.randn(tokens, 3 * heads * head_dim, dtype=dtype)
         q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
         w = torch.randn(head_dim, dtype=dtype)
+        calls: list[Callable[[], object]] = [
+            lambda: L.rms_norm(q, head_dim, w, 1e-6),
+            lambda: L.rms_norm(q.contiguous(), head_dim, w, 1e-6),
+            lambda: F.rms_norm(q, (head_dim,), w, 1e-6),
+        ]
         with torch.no_grad():
-            row = [
-                median_us(lambda: L.rms_norm(q, head_dim, w, 1e-6), args.repeats),
-                median_us(lambda: L.rms_norm(q.contiguous(), head_dim, w, 1e-6), args.repeats),
-                median_us(lambda: F.rms_norm(q, (head_dim,), w, 1e-6), args.repeats),
-            ]
+            row = [median_us(call, args.repeats) for call in calls]
+            moved = " / ".join(f"{copied_mb(call, q.element_size()):.1f}" for call in calls)
         print(f"| QK-norm q view [{tokens}, {heads}, {head_dim}] | {dtype} | " + " | ".join(f"{t:.0f}" for t in row)
-              + " |")  # fmt: skip
+              + f" | {moved} |")  # fmt: skip
     n, c, h, wd = 8, 256, 56, 56
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(n, c, h, wd, dtype=dtype).contiguous(memory_format=torch.channels_last)
@@ -59,14 +74,16 @@ def main() -> None:
         def timm() -> torch.Tensor:
             return F.layer_norm(x.permute(0, 2, 3, 1), (c,), weight, bias, 1e-6).permute(0, 3, 1, 2)
 
+        calls = [
+            lambda: L.layer_norm_2d(x, weight, bias),
+            lambda: L.layer_norm_2d(x.contiguous(), weight, bias),
+            timm,
+        ]
         with torch.no_grad():
-            row = [
-                median_us(lambda: L.layer_norm_2d(x, weight, bias), args.repeats),
-                median_us(lambda: L.layer_norm_2d(x.contiguous(), weight, bias), args.repeats),
-                median_us(timm, args.repeats),
-            ]
+            row = [median_us(call, args.repeats) for call in calls]
+            moved = " / ".join(f"{copied_mb(call, x.element_size()):.1f}" for call in calls)
         print(f"| LayerNorm2d channels_last [{n}, {c}, {h}, {wd}] | {dtype} | "
-              + " | ".join(f"{t:.0f}" for t in row) + " |")  # fmt: skip
+              + " | ".join(f"{t:.0f}" for t in row) + f" | {moved} |")  # fmt: skip
 
     nchw(args.repeats)
 
@@ -74,8 +91,9 @@ def main() -> None:
 def nchw(repeats: int) -> None:
     print()
     print("| LayerNorm2d, NCHW input | dtype | pass | ours, in place (us) | ours on a channels_last copy (us) "
-          "| timm: permute + ATen (us) | copy / in place | timm / in place |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "| timm: permute + ATen (us) | copy / in place | timm / in place "
+          "| MB copied: in place / copy / timm |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for shape in ((8, 96, 56, 56), (1, 256, 64, 64)):
         c = shape[1]
         for dtype in (torch.float32, torch.bfloat16):
@@ -90,12 +108,16 @@ def nchw(repeats: int) -> None:
             leaves = [t.detach().requires_grad_() for t in (x, weight, bias)]
             for name in ("forward", "forward + backward"):
                 if name == "forward":
+                    calls = [lambda norm=norm: norm(x, weight, bias) for norm in norms]
                     with torch.no_grad():
-                        times = [median_us(lambda norm=norm: norm(x, weight, bias), repeats) for norm in norms]
+                        times = [median_us(call, repeats) for call in calls]
+                        moved = [copied_mb(call, x.element_size()) for call in calls]
                 else:
-                    times = [median_us(lambda norm=norm: torch.autograd.grad(norm(*leaves), leaves, grad), repeats)
-                             for norm in norms]  # fmt: skip
+                    calls = [lambda norm=norm: torch.autograd.grad(norm(*leaves), leaves, grad) for norm in norms]
+                    times = [median_us(call, repeats) for call in calls]
+                    moved = [copied_mb(call, x.element_size()) for call in calls]
                 cells = [f"{t:.0f}" for t in times] + [f"{times[1] / times[0]:.2f}", f"{times[2] / times[0]:.2f}"]
+                cells.append(" / ".join(f"{mb:.1f}" for mb in moved))
                 print(f"| {list(shape)} | {dtype} | {name} | " + " | ".join(cells) + " |")
 
 
