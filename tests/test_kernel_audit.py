@@ -79,6 +79,68 @@ def test_divergence_branch_falls_through_and_cold_path_is_left_out():
     assert figures.streams_found == {"input", "out"}
 
 
+def _function(lines: str) -> sass.Function:
+    """A function of hand-written SASS, one instruction per line: `address opcode operands`."""
+    body = "\n".join(f"        /*{int(a, 16):04x}*/ {rest.strip()} ;" for a, rest in
+                     (line.strip().split(" ", 1) for line in lines.strip().splitlines()))
+    (function,) = sass.parse_sass("\t\tFunction : _Z1fv\n" + body).values()
+    return function
+
+
+# A quantized kernel's branches, as nvcc writes them: the code (QuantArgs.code at 0x2a8) sign-extended and compared,
+# a flag kept as bit 0 of a register of unknown bits (cleared, set under a predicate, tested by a LOP3 into a
+# predicate), and the static scale's null test (a 64-bit pointer at 0x290).
+BRANCHES = """
+0x00 LDC.U8 R4, c[0x0][0x2a8]
+0x10 PRMT R5, R4, 0x9910, RZ
+0x20 ISETP.NE.AND P0, PT, R5, 0x2, PT
+0x30 LOP3.LUT R2, R2, 0xfffffffe, RZ, 0xc0, !PT
+0x40 @P0 LOP3.LUT R2, R2, 0x1, RZ, 0xfc, !PT
+0x50 LDC.64 R6, c[0x0][0x290]
+0x60 ISETP.NE.U32.AND P1, PT, R6, RZ, PT
+0x70 ISETP.NE.AND.EX P1, PT, R7, RZ, PT, P1
+0x80 @P1 BRA 0xc0
+0x90 LOP3.LUT P2, RZ, R2, 0x1, RZ, 0xc0, !PT
+0xa0 @!P2 BRA 0xd0
+0xb0 EXIT
+0xc0 EXIT
+0xd0 EXIT
+"""
+
+
+@pytest.mark.parametrize(
+    "params, taken",
+    [
+        ({**{0x290 + k: 0 for k in range(8)}, 0x2a8: 0}, [[1], [2], [], [], []]),  # dynamic scale, e4m3fn: bit set
+        ({**{0x290 + k: 0 for k in range(8)}, 0x2a8: 2}, [[1], [4], [], [], []]),  # int8: the bit stays clear
+        ({0x2a8: 0}, [[3, 1], [2], [], [], []]),  # the scale unknown: both ways
+        ({}, [[3, 1], [4, 2], [], [], []]),
+    ],
+)
+def test_branches_decided_by_known_parameters(params, taken):
+    blocks = sass.basic_blocks(_function(BRANCHES))
+    assert [b.start for b in blocks] == [0x0, 0x90, 0xB0, 0xC0, 0xD0]
+    assert sass.decided_successors(blocks, params) == taken
+
+
+def test_reaching_definitions_follow_the_graph():
+    """The address of the load at 0x40 comes from the weight pointer (0x220) defined before the branch; the
+    nearest definition in address order (0x20, the input's) is on the path that exits."""
+    function = _function("""
+0x00 LDC.64 R4, c[0x0][0x220]
+0x10 @P0 BRA 0x40
+0x20 LDC.64 R4, c[0x0][0x210]
+0x30 EXIT
+0x40 LDG.E R6, desc[UR4][R4.64]
+0x50 EXIT
+""")
+    instructions = function.instructions
+    assert sass.address_parameters(instructions, 4) == {0x210}
+    blocks = sass.basic_blocks(function)
+    reaching = sass.reaching_parameters(blocks, [b.successors for b in blocks])
+    assert reaching(2, 0) == {0x220}
+
+
 @pytest.mark.parametrize(
     "registers, shared, threads, expected",
     [(128, 1216, 512, 1), (128, 9408, 128, 4), (64, 320, 128, 8), (50, 1408, 512, 2), (32, 384, 512, 4),
@@ -207,3 +269,4 @@ def test_plan_mixed_dtypes_and_errors():
         _plan(op="batch_norm")
     with pytest.raises(ValueError, match="dtype must be"):
         _plan(input_dtype="int8")
+
