@@ -159,6 +159,16 @@ def _row(value: float, metric_value: float = 16.0) -> kernel_audit.Row:
                             dram_per_element=8.0)
 
 
+def test_quantized_targets():
+    """The quantized forward reads the input once and writes a byte per element; no instruction target."""
+    row = kernel_audit.Row(**{**_row(40.0).__dict__, "direction": "forward_quant", "dtype": "bfloat16",
+                              "dram_per_element": 3.0, "barriers": 3})
+    checks = {c.metric: c for c in kernel_audit.targets(row)}
+    assert set(checks) == {"inflight_kb", "barriers_per_row", "fp64_per_row", "spill_bytes", "dram_bytes_per_element"}
+    assert checks["dram_bytes_per_element"].target == "<= 3" and checks["dram_bytes_per_element"].met
+    assert not checks["barriers_per_row"].met  # 128 threads per row: one barrier at most
+
+
 def test_check_fails_on_new_misses_and_regressions_only(tmp_path):
     missing = _row(16.0)
     key = missing.key("inflight_kb")
@@ -270,3 +280,57 @@ def test_plan_mixed_dtypes_and_errors():
     with pytest.raises(ValueError, match="dtype must be"):
         _plan(input_dtype="int8")
 
+
+# ---- the quantized kernels' SASS (CUDA builds with sm_90 code, and cuobjdump: the `audit` extra) ---------------
+
+
+@pytest.fixture(scope="module")
+def quantized_sm90():
+    """(op, dtype, cols) -> (function, plan) of the quantized forward the sm_90 plan names, disassembled at once."""
+    cases = [("rms_norm", "bfloat16", 4096), ("rms_norm", "bfloat16", 131072), ("layer_norm", "float32", 16384)]
+    plans = {case: dict(_plan(op=case[0], input_dtype=case[1], cols=case[2], rows=1024, quantized=True,
+                              compute_capability=90), cols=case[2]) for case in cases}
+    from layernorm_ext import _C
+
+    try:
+        usage = sass.resource_usage(_C.__file__, "sm_90")
+    except (FileNotFoundError, OSError) as error:
+        pytest.skip(f"no cuobjdump: {error}")
+    except Exception as error:  # noqa: BLE001 (cuobjdump's own failure: no sm_90 code)
+        pytest.skip(f"cuobjdump: {error}")
+    by_kernel = {pretty.split("(", 1)[0].removeprefix("void ").removeprefix("layernorm_ext::cuda::"): name
+                 for name, pretty in sass.demangle(sass.function_names(usage)).items()}
+    if any(plan["kernel"] not in by_kernel for plan in plans.values()):
+        pytest.skip("the library holds no sm_90 code of the quantized kernels")
+    wanted = {by_kernel[plan["kernel"]] for plan in plans.values()}
+    functions = sass.parse_sass(sass.disassemble(_C.__file__, "sm_90", sorted(wanted)), wanted)
+    return {case: (functions[by_kernel[plan["kernel"]]], plan) for case, plan in plans.items()}
+
+
+def _path_ops(function: sass.Function, path: list[int]) -> dict[str, int]:
+    """Markers on the path, each block once: the division's FCHK, the codes' clamps (e4m3fn at 448, e5m2 at 57344),
+    int8's conversion (F2I)."""
+    blocks = sass.basic_blocks(function)
+    ops = [i for b in path for i in blocks[b].instructions]
+    return {"FCHK": sum(i.op == "FCHK" for i in ops),
+            "448": sum(i.op == "FMNMX" and "448" in i.operands for i in ops),
+            "57344": sum(i.op == "FMNMX" and "57344" in i.operands for i in ops),
+            "F2I": sum(i.op == "F2I" for i in ops)}
+
+
+@pytest.mark.parametrize(("case", "values", "barriers"), [
+    (("rms_norm", "bfloat16", 4096), 32, 3),  # a thread's 4 packs of 8; the statistics' barrier, row_allreduce's two
+    (("layer_norm", "float32", 16384), 32, 3),  # 8 packs of 4
+    (("rms_norm", "bfloat16", 131072), 32, 2),  # a chunk of 4 packs of 8 per loop body; a cluster of 2
+])
+def test_quantized_path_is_the_dynamic_e4m3fn_one(quantized_sm90, case, values, barriers):
+    """QUANT_VARIANT's branches only: every value divided by the row's dynamic scale and clamped to e4m3fn's range,
+    neither int8's nor e5m2's encoding on the path; codes 1 byte and input once per element."""
+    op, dtype, cols = case
+    function, plan = quantized_sm90[case]
+    figures = kernel_audit.analyze_row_path(function, SM90, plan, op, "forward_quant")
+    assert _path_ops(function, figures.path) == {"FCHK": values + 1, "448": values, "57344": 0, "F2I": 0}
+    assert figures.streams_found >= {"input", "weight", "codes", "row_scales"}
+    assert figures.barriers == barriers
+    elements = cols / plan["lanes"]
+    assert figures.element_bytes / elements == pytest.approx(kernel_audit.ELEMENT_BYTES[dtype] + 1)
