@@ -203,6 +203,8 @@ class Function:
     shared: int = 0  # static shared memory, bytes
     stack: int = 0
     local: int = 0
+    # Analyses of the instructions that do not depend on the audited case (attributed_accesses'), by their inputs.
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def parse_sass(text: str, wanted: set[str] | None = None) -> dict[str, Function]:
@@ -301,6 +303,17 @@ def loops(blocks: list[Block]) -> list[Loop]:
             if successor <= block.index:
                 found.append(Loop(successor, block.index, set(range(successor, block.index + 1))))
     return found
+
+
+def reachable(successors: list[list[int]], entry: int = 0) -> set[int]:
+    """The blocks reachable from `entry` along `successors` (e.g. decided_successors' taken edges)."""
+    seen, stack = {entry}, [entry]
+    while stack:
+        for s in successors[stack.pop()]:
+            if s not in seen:
+                seen.add(s)
+                stack.append(s)
+    return seen
 
 
 def _address_registers(access: Instruction) -> tuple[set[int], set[int]]:
@@ -599,18 +612,23 @@ def decided_successors(blocks: list[Block], params: dict[int, int]) -> list[list
 
 
 def reaching_parameters(blocks: list[Block], successors: list[list[int]]) -> Callable[[int, int], set[int]]:
-    """address_parameters along the control-flow graph, as a function of (block, index of the access in it): each
-    address register's definitions that reach the access (the first one back on every path through `successors`,
-    e.g. decided_successors' taken edges), then theirs. In a kernel whose variants' code lies side by side (the
-    quantized ones), the nearest definition in address order may belong to a branch that does not lead to the
-    access."""
+    """The kernel parameters (offsets in constant bank 0) a memory access's global address derives from, as a
+    function of (block, index of the access in it): each address register's definitions that reach the access (the
+    first one back on every path through `successors`, e.g. decided_successors' taken edges), then theirs, to
+    c[0x0][...] operands, 6 definitions deep. Index arithmetic brings in non-pointer parameters too (cols, units);
+    the caller picks the pointer among them. Along the graph rather than back in address order: the nearest
+    definition in address order may belong to a branch that does not lead to the access (the quantized kernels'
+    variants lie side by side), and an address computed once per row may lie a thousand instructions before its
+    first use (the long forward's out, the quantized kernels' codes). A value reloaded from the stack (LDL, a
+    spill) is followed to the stores (STL) of its stack words that reach the reload (the long backward's
+    partial_dweight address, spilled in its bf16 LayerNorm kernel on sm_90)."""
     predecessors: list[list[int]] = [[] for _ in blocks]
     for b, targets in enumerate(successors):
         for s in targets:
             predecessors[s].append(b)
-    # What each instruction defines, as _defines reads it: registers, and uniform registers (prefix "U").
-    defined = [[{str(r) for r in i.destinations()} | _uniform_destinations(i) for i in block.instructions]
-               for block in blocks]
+    # What each instruction defines: registers, uniform registers (prefix "U") and stack words (prefix "L").
+    defined = [[{str(r) for r in i.destinations()} | _uniform_destinations(i) | _stack_words(i, "STL")
+                for i in block.instructions] for block in blocks]
 
     def definitions(b: int, k: int, name: str) -> list[tuple[int, int]]:
         hits, seen, stack = [], set(), [(b, k)]
@@ -641,6 +659,9 @@ def reaching_parameters(blocks: list[Block], successors: list[list[int]]) -> Cal
                     done.add((db, dk, depth))
                     instruction = blocks[db].instructions[dk]
                     found.update(instruction.params())
+                    if instruction.op == "LDL":  # a reload: the stack words it reads, not the stack pointer
+                        follow(db, dk, _stack_words(instruction, "LDL"), depth - 1)
+                        continue
                     sources = instruction.operands[1:]
                     follow(db, dk, {str(int(m.group(1))) for o in sources for m in _REG.finditer(o)}
                            | {f"U{m.group(1)}" for o in sources for m in _UREG.finditer(o)}, depth - 1)
@@ -652,6 +673,21 @@ def reaching_parameters(blocks: list[Block], successors: list[list[int]]) -> Cal
     return parameters
 
 
+_STACK_ADDRESS = re.compile(r"\[R1(?:\+(0x[0-9a-f]+))?\]")
+
+
+def _stack_words(instruction: Instruction, op: str) -> set[str]:
+    """The 4-byte stack words ("L<byte offset>") that an `op` (STL: writes, LDL: reads) addresses off the stack
+    pointer R1 ([R1], [R1+0x8]): spill slots."""
+    if instruction.op != op:
+        return set()
+    match = next((m for o in instruction.operands if (m := _STACK_ADDRESS.fullmatch(o.strip()))), None)
+    if match is None:
+        return set()
+    offset = int(match.group(1) or "0", 16)
+    return {f"L{offset + 4 * k}" for k in range(instruction.access_bytes() // 4 or 1)}
+
+
 def _uniform_destinations(instruction: Instruction) -> set[str]:
     if not instruction.operands:
         return set()
@@ -660,3 +696,23 @@ def _uniform_destinations(instruction: Instruction) -> set[str]:
         return set()
     width = 2 if "64" in instruction.modifiers else 1
     return {f"U{int(match.group(1)) + k}" for k in range(width)}
+
+
+def attributed_accesses(function: Function, known: dict[int, int] | None = None
+                        ) -> tuple[list[Block], list[list[int]], dict[int, set[int]]]:
+    """(basic blocks, the successors taken when the kernel parameters hold `known` (decided_successors; every edge
+    without), and for every global access (load, store, reduction, async copy) by address: the parameters its
+    address derives from along those edges (reaching_parameters)). Kept in function.cache: the audit analyzes a
+    kernel once per launch shape, the attribution depends on the parameters only."""
+    key = ("attributed_accesses", tuple(sorted((known or {}).items())))
+    if key not in function.cache:
+        if "basic_blocks" not in function.cache:
+            function.cache["basic_blocks"] = basic_blocks(function)
+        blocks = function.cache["basic_blocks"]
+        successors = decided_successors(blocks, known) if known else [list(b.successors) for b in blocks]
+        reaching = reaching_parameters(blocks, successors)
+        parameters = {instruction.address: reaching(block.index, k)
+                      for block in blocks for k, instruction in enumerate(block.instructions)
+                      if instruction.op in GLOBAL_LOADS + GLOBAL_STORES + ASYNC_COPIES}
+        function.cache[key] = (blocks, successors, parameters)
+    return function.cache[key]

@@ -48,6 +48,10 @@ def test_blocks_loops_and_address_parameters():
     params = {i.address: sass.address_parameters(instructions, n) for n, i in enumerate(instructions)
               if i.op in ("LDG", "STG")}
     assert params == {0x80: {0x210}, 0x90: {0x210}, 0xC0: {0x218}, 0x1E0: {0x230}}
+    # The same along the graph, cached on the function for every global access, with the blocks and successors.
+    cached_blocks, successors, by_address = sass.attributed_accesses(function)
+    assert by_address == params and successors == [b.successors for b in blocks]
+    assert sass.attributed_accesses(function)[0] is cached_blocks
 
 
 @pytest.mark.parametrize("lanes, barriers", [(64, 1), (16, 0)])
@@ -139,6 +143,25 @@ def test_reaching_definitions_follow_the_graph():
     blocks = sass.basic_blocks(function)
     reaching = sass.reaching_parameters(blocks, [b.successors for b in blocks])
     assert reaching(2, 0) == {0x220}
+
+
+def test_reaching_definitions_follow_spills():
+    """A pointer spilled to the stack (STL) and reloaded (LDL) before the store: its address is followed through
+    the stack word to the pointer (0x230), as in the long backward's partial_dweight store (bf16 LayerNorm, sm_90),
+    not to the stack pointer; a reload of another word finds nothing."""
+    function = _function("""
+0x00 LDC R1, c[0x0][0x28]
+0x10 LDC.64 R4, c[0x0][0x230]
+0x20 STL.64 [R1+0x8], R4
+0x30 MOV R4, RZ
+0x40 LDL.64 R6, [R1+0x8]
+0x50 STG.E desc[UR4][R6.64], R0
+0x60 LDL.64 R8, [R1+0x10]
+0x70 STG.E desc[UR4][R8.64], R0
+0x80 EXIT
+""")
+    blocks, _, by_address = sass.attributed_accesses(function)
+    assert len(blocks) == 1 and by_address == {0x50: {0x230}, 0x70: set()}
 
 
 @pytest.mark.parametrize(
