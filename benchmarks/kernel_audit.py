@@ -67,6 +67,14 @@ TARGET_ARCH = "sm_90"
 FORWARD_POINTERS = ("input", "residual", "weight", "bias", "out", "residual_out", "mean", "rstd")
 BACKWARD_POINTERS = ("grad_out", "grad_residual_out", "saved", "mean", "rstd", "weight", "bias", "grad_input",
                      "partial_dweight", "partial_dbias")
+# The long backward's second parameter, after BackwardArgs<float> (128 bytes): the rows' terms [rows, 4] (mean,
+# delta, mean_g, k) that backward_long_sums_kernel writes and backward_long_kernel reads (per row, not per element).
+BACKWARD_ARGS_BYTES = 128
+# Run-time flags of the plain kernels that the audited call fixes, decided as QUANT_VARIANT's fields are (below):
+# BackwardArgs.saved_is_output (byte 116; false: the default mode saves the input), with which every backward
+# kernel picks one of two copies of its row code (the other, the memory-efficient mode's, derives the input from
+# the output); forward_long_kernel's `staged` parameter (right after ForwardArgs), the plan's.
+SAVED_IS_OUTPUT_OFFSET = 116
 # QuantArgs (forward_kernels.cuh), the quantized kernels' second parameter: its pointer fields by byte offset, and
 # where it starts: after ForwardArgs<float> (120 bytes; float is the compute type of bf16 and fp32 rows), and in
 # forward_long_kernel after its `staged` flag too (8-byte aligned).
@@ -98,9 +106,9 @@ def call_streams(op: str, direction: str) -> tuple[set[str], set[str]]:
     if direction == "forward":
         used = {"input", "weight", "out", "rstd"} | (set() if rms else {"bias", "mean"})
         return used, set(FORWARD_POINTERS) - used
-    used = {"grad_out", "saved", "rstd", "weight", "grad_input", "partial_dweight"}
+    used = {"grad_out", "saved", "rstd", "weight", "grad_input", "partial_dweight", "row_terms"}
     used |= set() if rms else {"mean", "partial_dbias"}
-    return used, set(BACKWARD_POINTERS) - used
+    return used, (set(BACKWARD_POINTERS) | {"row_terms"}) - used
 
 
 # ---- occupancy -------------------------------------------------------------------------------------------------
@@ -132,11 +140,6 @@ class PathFigures:
     path: list[int] = field(default_factory=list)  # the blocks of the path (sass.basic_blocks indices)
 
 
-def _stream_name(params: set[int], pointers: dict[int, str]) -> str | None:
-    names = [pointers[p] for p in sorted(params) if p in pointers]
-    return names[0] if names else None
-
-
 def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, direction: str) -> PathFigures:
     """Per thread and row: the hot path through the kernel for the audited call, and its figures.
 
@@ -147,38 +150,37 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     ties to the fewest instructions. Loops count trip / unroll times:
     column loops ceil(units / threads), shuffle loops log2(lanes in a warp), shared-memory merge loops
     ceil(warps of the row / 32); of a loop and its remainder loops only the most unrolled counts.
-    forward_quant: the branches that QUANT_VARIANT's parameters decide keep only their taken side, accesses are
-    attributed along the graph, and the loops folding the warps' absmax (shared or distributed shared memory)
+    Accesses are attributed to a pointer along the control-flow graph (sass.attributed_accesses), its branches
+    decided by the parameters the call fixes (saved_is_output, staged; QUANT_VARIANT's fields): only their taken
+    side is kept. forward_quant: the loops folding the warps' absmax (shared or distributed shared memory)
     count (warps of the row) / (states per iteration) times."""
     forward = direction != "backward"
     pointers_list = FORWARD_POINTERS if forward else BACKWARD_POINTERS
     pointers = {arch.param_base + 8 * i: name for i, name in enumerate(pointers_list)}
+    if not forward:  # the long backward's row_terms (no other backward kernel has a second parameter)
+        pointers[arch.param_base + BACKWARD_ARGS_BYTES] = "row_terms"
     known: dict[int, int] = {}  # parameter bytes the audited variant fixes
     if direction == "forward_quant":
         quant_base = arch.param_base + QUANT_ARGS_OFFSET["rows" if plan["packs"] else "long"]
         pointers.update({quant_base + offset: name for name, offset in QUANT_POINTERS.items()})
         known = {quant_base + offset + k: (value >> (8 * k)) & 0xFF
                  for offset, size, value in QUANT_VARIANT.values() for k in range(size)}
+    if not forward:  # the default mode saves the input (the memory-efficient mode's copy of the code is off the path)
+        known[arch.param_base + SAVED_IS_OUTPUT_OFFSET] = 0
+    elif not plan["packs"]:  # forward_long_kernel's `staged`: the plan's
+        known[arch.param_base + FORWARD_ARGS_BYTES] = int(plan["staged"])
     used, unused = call_streams(op, direction)
     lanes, threads = plan["lanes"], plan["threads"]
     cluster = plan.get("cluster", 1)  # blocks per row (a thread-block cluster): the row's threads are lanes
     row_spans_warps = lanes > 32
     units = -(-plan["cols"] // plan["vec"])
 
-    instructions = [i for i in function.instructions if i.op != "NOP"]
-    position = {i.address: n for n, i in enumerate(instructions)}
-    blocks = sass.basic_blocks(function)
-    successors = sass.decided_successors(blocks, known) if known else [b.successors for b in blocks]
-    # The quantized kernels' accesses: along the graph (their variants' code lies side by side, and the codes'
-    # address is computed once per row, over a thousand instructions before the first store).
-    reaching = sass.reaching_parameters(blocks, successors) if known else None
-    stream = {}
-    for block in blocks:
-        for k, instruction in enumerate(block.instructions):
-            if instruction.op in sass.GLOBAL_LOADS + sass.GLOBAL_STORES + sass.ASYNC_COPIES:
-                params = (reaching(block.index, k) if reaching
-                          else sass.address_parameters(instructions, position[instruction.address]))
-                stream[instruction.address] = _stream_name(params, pointers)
+    # Every global access attributed to the pointer its address derives from, along the control-flow graph's edges
+    # that `known` leaves taken (sass.reaching_parameters), once per kernel and `known`.
+    blocks, successors, parameters = sass.attributed_accesses(function, known)
+    pointer_names = {address: [pointers[p] for p in sorted(params) if p in pointers]
+                     for address, params in parameters.items()}
+    stream = {address: names[0] if len(names) == 1 else None for address, names in pointer_names.items()}
 
     def has(block: sass.Block, ops: Iterable[str]) -> bool:
         return any(i.op in ops for i in block.instructions)

@@ -326,45 +326,6 @@ def _address_registers(access: Instruction) -> tuple[set[int], set[int]]:
     return regs, uregs
 
 
-def address_parameters(instructions: list[Instruction], position: int, depth: int = 6) -> set[int]:
-    """The kernel parameters (offsets in constant bank 0) a memory access's address derives from: a backward
-    slice, in address order, through the definitions of the address registers to c[0x0][...] operands. Index
-    arithmetic brings in non-pointer parameters too (cols, units); the caller picks the pointer among them."""
-    regs, uregs = _address_registers(instructions[position])
-    found: set[int] = set()
-    _slice(instructions, position, regs, uregs, depth, found)
-    return found
-
-
-def _defines(instruction: Instruction, reg: int, uniform: bool) -> bool:
-    if not instruction.operands:
-        return False
-    first = instruction.operands[0].strip()
-    if uniform:
-        match = re.fullmatch(r"UR(\d+)", first)
-        width = 2 if "64" in instruction.modifiers else 1
-        return match is not None and int(match.group(1)) <= reg < int(match.group(1)) + width
-    return reg in instruction.destinations()
-
-
-def _slice(instructions: list[Instruction], position: int, regs: set[int], uregs: set[int], depth: int,
-           found: set[int]) -> None:
-    if depth == 0:
-        return
-    for reg, uniform in [(r, False) for r in sorted(regs)] + [(u, True) for u in sorted(uregs)]:
-        for back in range(position - 1, max(-1, position - 400), -1):
-            instruction = instructions[back]
-            if not _defines(instruction, reg, uniform):
-                continue
-            found.update(instruction.params())
-            sources = instruction.operands[1:]
-            sub_regs = {int(m.group(1)) for o in sources for m in _REG.finditer(o)}
-            sub_uregs = {int(m.group(1)) for o in sources for m in _UREG.finditer(o)}
-            _slice(instructions, back, sub_regs, sub_uregs, depth - 1, found)
-            break
-
-
-
 # ---- branches decided by known kernel parameters -------------------------------------------------------------
 # The quantized kernels test their QuantArgs at run time (static or dynamic scale, per row or per group, which
 # code): to follow one variant, the parameters it fixes are propagated over the control-flow graph as known bits,

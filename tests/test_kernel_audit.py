@@ -44,11 +44,11 @@ def test_blocks_loops_and_address_parameters():
     assert [(b.start, b.successors) for b in blocks] == [
         (0x0, [1]), (0x110, [1, 2]), (0x160, [4, 3]), (0x180, [4]), (0x1A0, []), (0x200, [5])]
     assert [(loop.header, loop.latch) for loop in sass.loops(blocks)] == [(1, 1), (5, 5)]
-    instructions = [i for i in function.instructions if i.op != "NOP"]
-    params = {i.address: sass.address_parameters(instructions, n) for n, i in enumerate(instructions)
+    reaching = sass.reaching_parameters(blocks, [b.successors for b in blocks])
+    params = {i.address: reaching(b.index, k) for b in blocks for k, i in enumerate(b.instructions)
               if i.op in ("LDG", "STG")}
     assert params == {0x80: {0x210}, 0x90: {0x210}, 0xC0: {0x218}, 0x1E0: {0x230}}
-    # The same along the graph, cached on the function for every global access, with the blocks and successors.
+    # The same, cached on the function for every global access, with the blocks and their successors.
     cached_blocks, successors, by_address = sass.attributed_accesses(function)
     assert by_address == params and successors == [b.successors for b in blocks]
     assert sass.attributed_accesses(function)[0] is cached_blocks
@@ -129,7 +129,8 @@ def test_branches_decided_by_known_parameters(params, taken):
 
 def test_reaching_definitions_follow_the_graph():
     """The address of the load at 0x40 comes from the weight pointer (0x220) defined before the branch; the
-    nearest definition in address order (0x20, the input's) is on the path that exits."""
+    nearest definition in address order (0x20, the input's: what the audit's earlier backward search in address
+    order found) is on the path that exits."""
     function = _function("""
 0x00 LDC.64 R4, c[0x0][0x220]
 0x10 @P0 BRA 0x40
@@ -138,8 +139,6 @@ def test_reaching_definitions_follow_the_graph():
 0x40 LDG.E R6, desc[UR4][R4.64]
 0x50 EXIT
 """)
-    instructions = function.instructions
-    assert sass.address_parameters(instructions, 4) == {0x210}
     blocks = sass.basic_blocks(function)
     reaching = sass.reaching_parameters(blocks, [b.successors for b in blocks])
     assert reaching(2, 0) == {0x220}
@@ -307,12 +306,9 @@ def test_plan_mixed_dtypes_and_errors():
 # ---- the quantized kernels' SASS (CUDA builds with sm_90 code, and cuobjdump: the `audit` extra) ---------------
 
 
-@pytest.fixture(scope="module")
-def quantized_sm90():
-    """(op, dtype, cols) -> (function, plan) of the quantized forward the sm_90 plan names, disassembled at once."""
-    cases = [("rms_norm", "bfloat16", 4096), ("rms_norm", "bfloat16", 131072), ("layer_norm", "float32", 16384)]
-    plans = {case: dict(_plan(op=case[0], input_dtype=case[1], cols=case[2], rows=1024, quantized=True,
-                              compute_capability=90), cols=case[2]) for case in cases}
+def _sm90_functions(kernels: set[str], what: str) -> dict[str, sass.Function]:
+    """The library's sm_90 functions of these kernels (demangled names, as the plan gives them), disassembled at
+    once; skips without cuobjdump or sm_90 code."""
     from layernorm_ext import _C
 
     try:
@@ -323,11 +319,73 @@ def quantized_sm90():
         pytest.skip(f"cuobjdump: {error}")
     by_kernel = {pretty.split("(", 1)[0].removeprefix("void ").removeprefix("layernorm_ext::cuda::"): name
                  for name, pretty in sass.demangle(sass.function_names(usage)).items()}
-    if any(plan["kernel"] not in by_kernel for plan in plans.values()):
-        pytest.skip("the library holds no sm_90 code of the quantized kernels")
-    wanted = {by_kernel[plan["kernel"]] for plan in plans.values()}
+    if any(kernel not in by_kernel for kernel in kernels):
+        pytest.skip(f"the library holds no sm_90 code of the {what} kernels")
+    wanted = {by_kernel[kernel] for kernel in kernels}
     functions = sass.parse_sass(sass.disassemble(_C.__file__, "sm_90", sorted(wanted)), wanted)
-    return {case: (functions[by_kernel[plan["kernel"]]], plan) for case, plan in plans.items()}
+    sass.parse_resource_usage(usage, functions)
+    return {kernel: functions[by_kernel[kernel]] for kernel in kernels}
+
+
+@pytest.fixture(scope="module")
+def quantized_sm90():
+    """(op, dtype, cols) -> (function, plan) of the quantized forward the sm_90 plan names."""
+    cases = [("rms_norm", "bfloat16", 4096), ("rms_norm", "bfloat16", 131072), ("layer_norm", "float32", 16384)]
+    plans = {case: dict(_plan(op=case[0], input_dtype=case[1], cols=case[2], rows=1024, quantized=True,
+                              compute_capability=90), cols=case[2]) for case in cases}
+    functions = _sm90_functions({plan["kernel"] for plan in plans.values()}, "quantized")
+    return {case: (functions[plan["kernel"]], plan) for case, plan in plans.items()}
+
+
+@pytest.fixture(scope="module")
+def plain_sm90():
+    """(op, dtype, direction, cols) -> (functions by kernel, plan) of the plain kernels the sm_90 plan names: the
+    long forward (staged; on a cluster of 2 at fp32 65536) and the long backward (its sums and column kernels)."""
+    cases = [("layer_norm", "bfloat16", "forward", 65536), ("layer_norm", "float32", "forward", 65536),
+             ("rms_norm", "bfloat16", "forward", 65536), ("layer_norm", "bfloat16", "backward", 262144),
+             ("rms_norm", "float32", "backward", 262144)]
+    plans = {case: dict(_plan(op=case[0], input_dtype=case[1], direction=case[2], cols=case[3], rows=1024,
+                              compute_capability=90, blocks_per_sm=2), cols=case[3]) for case in cases}
+    kernels = {k for plan in plans.values() for k in (plan["kernel"], plan.get("sums_kernel")) if k}
+    functions = _sm90_functions(kernels, "plain")
+    return {case: (functions, plan) for case, plan in plans.items()}
+
+
+@pytest.mark.parametrize("case", [("layer_norm", "bfloat16", "forward", 65536),
+                                  ("layer_norm", "float32", "forward", 65536),
+                                  ("rms_norm", "bfloat16", "forward", 65536)])
+def test_long_forward_path_normalizes(plain_sm90, case):
+    """The long forward's path runs both passes: the statistics, then out from the stage, weight and bias. Its out
+    stores' address is computed once per row, far ahead of them: the earlier search back in address order (400
+    instructions) found no pointer for them in the LayerNorm kernels, and the path stopped after the statistics
+    (2 B/elem bf16, 4 fp32, and about half the instructions)."""
+    op, dtype, _, cols = case
+    functions, plan = plain_sm90[case]
+    figures = kernel_audit.analyze_row_path(functions[plan["kernel"]], SM90, plan, op, "forward")
+    assert plan["staged"] and figures.streams_found >= {"input", "weight", "out"} | (
+        set() if op == "rms_norm" else {"bias"})
+    elements = cols / plan["lanes"]
+    assert figures.element_bytes / elements == pytest.approx(2 * kernel_audit.ELEMENT_BYTES[dtype])
+
+
+@pytest.mark.parametrize("case", [("layer_norm", "bfloat16", "backward", 262144),
+                                  ("rms_norm", "float32", "backward", 262144)])
+def test_long_backward_paths(plain_sm90, case):
+    """The long backward's sums pass ends with the row's coefficients (in double) and their store (row_terms, its
+    second parameter); the column pass reads the rows' terms and writes dx and every partial, the bf16 LayerNorm
+    kernel's partial_dweight through an address spilled to the stack; both passes take the default mode's copy of
+    their code (saved_is_output false), without the memory-efficient copy's divisions by the weight (FCHK)."""
+    op, dtype, _, cols = case
+    functions, plan = plain_sm90[case]
+    analyzed: dict = {}
+    kernel_audit.long_backward_row(SM90, functions[plan["sums_kernel"]], functions[plan["kernel"]], plan, op, dtype,
+                                   1024, 2, analyzed)
+    ((sums, columns),) = analyzed.values()
+    partials = {"partial_dweight"} | (set() if op == "rms_norm" else {"partial_dbias"})
+    assert sums.streams_found >= {"grad_out", "saved", "row_terms"} and sums.fp64 > 0
+    assert columns.streams_found >= {"grad_out", "saved", "row_terms", "grad_input"} | partials
+    for kernel, figures in ((plan["sums_kernel"], sums), (plan["kernel"], columns)):
+        assert _path_ops(functions[kernel], figures.path)["FCHK"] == 0
 
 
 def _path_ops(function: sass.Function, path: list[int]) -> dict[str, int]:
