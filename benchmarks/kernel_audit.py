@@ -111,6 +111,29 @@ def call_streams(op: str, direction: str) -> tuple[set[str], set[str]]:
     return used, (set(BACKWARD_POINTERS) | {"row_terms"}) - used
 
 
+class AttributionError(RuntimeError):
+    """The audit cannot vouch for a path's figures: a global access the kernel can run is attributed to no pointer
+    (or to several), or the path misses a stream the kernel must read or write. Its figures would leave that
+    traffic out (as the long forward's normalize pass was, unseen, until 2026-12-02)."""
+
+
+def expected_streams(op: str, direction: str, role: str = "rows") -> tuple[set[str], set[str], set[str]]:
+    """(loads, stores) a row's path must hold, and stores the kernel must hold somewhere (outside the row
+    region: the rows and cluster backward's partials, written once per block after its rows), by kernel role:
+    "rows" (every kernel but the long backward's), "sums" (backward_long_sums_kernel: dy and saved in, the rows'
+    terms out), "columns" (backward_long_kernel: dx and the partials of its group of rows)."""
+    partials = {"partial_dweight"} | (set() if op == "rms_norm" else {"partial_dbias"})
+    if direction == "forward":
+        return {"input"}, {"out"}, set()
+    if direction == "forward_quant":
+        return {"input"}, {"codes", "row_scales"}, set()
+    if role == "sums":
+        return {"grad_out", "saved"}, {"row_terms"}, set()
+    if role == "columns":
+        return {"grad_out", "saved", "row_terms"}, {"grad_input"} | partials, set()
+    return {"grad_out", "saved"}, {"grad_input"}, partials
+
+
 # ---- occupancy -------------------------------------------------------------------------------------------------
 
 
@@ -152,7 +175,8 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     ceil(warps of the row / 32); of a loop and its remainder loops only the most unrolled counts.
     Accesses are attributed to a pointer along the control-flow graph (sass.attributed_accesses), its branches
     decided by the parameters the call fixes (saved_is_output, staged; QUANT_VARIANT's fields): only their taken
-    side is kept. forward_quant: the loops folding the warps' absmax (shared or distributed shared memory)
+    side is kept. AttributionError where an access the call can run has no pointer, or the path lacks a stream of
+    expected_streams. forward_quant: the loops folding the warps' absmax (shared or distributed shared memory)
     count (warps of the row) / (states per iteration) times."""
     forward = direction != "backward"
     pointers_list = FORWARD_POINTERS if forward else BACKWARD_POINTERS
@@ -181,6 +205,17 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     pointer_names = {address: [pointers[p] for p in sorted(params) if p in pointers]
                      for address, params in parameters.items()}
     stream = {address: names[0] if len(names) == 1 else None for address, names in pointer_names.items()}
+    # Guard: every access the audited call can run (its blocks reachable along the taken edges) has one pointer; an
+    # access of none would be left out of the figures, and could steer the path away from the code it lies in.
+    reachable = sass.reachable(successors)
+    unattributed = [f"{i.address:#x} {i.opcode} -> {pointer_names[i.address] or 'no pointer'}"
+                    for b in sorted(reachable) for i in blocks[b].instructions
+                    if i.address in pointer_names and len(pointer_names[i.address]) != 1]
+    if unattributed:
+        raise AttributionError(
+            f"{function.name} ({direction}): global accesses attributed to no pointer or to several: "
+            f"{', '.join(unattributed[:6])}; are FORWARD_POINTERS / BACKWARD_POINTERS / QUANT_POINTERS in step with "
+            "the kernels' argument structs?")
 
     def has(block: sass.Block, ops: Iterable[str]) -> bool:
         return any(i.op in ops for i in block.instructions)
@@ -397,11 +432,21 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
                 print(f"  peak {in_flight} B at {i.address:#x}:", [(hex(a), stream.get(a)) for a in outstanding])
             figures.loads_before_use = max(figures.loads_before_use, in_flight)
             figures.row_loads_before_use = max(figures.row_loads_before_use, row_in_flight + async_bytes)
-    if first_stream not in figures.streams_found:
-        raise RuntimeError(
-            f"{function.name}: no {first_stream} access found on the path; are FORWARD_POINTERS / BACKWARD_POINTERS "
-            "in step with the kernels' argument structs?"
-        )
+    # Guard: the path reads and writes every stream the kernel must (a path without its output's stores reports
+    # too few bytes and instructions), and the kernel writes the partials it must.
+    want_loads, want_stores, want_kernel_stores = expected_streams(op, direction, plan.get("role", "rows"))
+    path_accesses = [i for b in path for i in blocks[b].instructions if i.address in stream and not skipped(i)]
+    loaded = {stream[i.address] for i in path_accesses if i.op in sass.GLOBAL_LOADS + sass.ASYNC_COPIES}
+    stored = {stream[i.address] for i in path_accesses if i.op in sass.GLOBAL_STORES}
+    kernel_stored = {stream[i.address] for b in reachable for i in blocks[b].instructions
+                     if i.op in sass.GLOBAL_STORES and i.address in stream}
+    missing = ([f"no load of {name} on the path" for name in sorted(want_loads - loaded)]
+               + [f"no store of {name} on the path" for name in sorted(want_stores - stored)]
+               + [f"no store of {name} in the kernel" for name in sorted(want_kernel_stores - kernel_stored)])
+    if missing:
+        raise AttributionError(
+            f"{function.name} ({op} {direction}, {plan.get('role', 'rows')} kernel): {'; '.join(missing)} "
+            f"(path: {' '.join(f'B{b}' for b in path)})")
     return figures
 
 
@@ -519,12 +564,12 @@ def long_backward_row(arch: Arch, sums_function: sass.Function, function: sass.F
     per row, its set-up and partials' store once per group of rows); instructions, FP64, barriers and bytes
     added, registers the larger, spills both, in-flight the smaller of the two."""
     n, vec = plan["cols"], plan["vec"]
-    sums_plan = dict(plan, kernel=plan["sums_kernel"], lanes=256, threads=256)  # kLongThreads per row
+    sums_plan = dict(plan, kernel=plan["sums_kernel"], lanes=256, threads=256, role="sums")  # kLongThreads per row
     # Rows per iteration of the column pass (kLongPacks, backward_kernels.cuh): its loads of dy and saved come from
     # one address computation, which the stream attribution may give to either.
     rows_per_iteration = min(4, max(1, 32 // (ELEMENT_BYTES[dtype] * vec)))
     column_plan = dict(plan, lanes=plan["threads"], cols=vec * plan["threads"], once_per_row=1 / plan["group_rows"],
-                       rows_per_iteration=rows_per_iteration)
+                       rows_per_iteration=rows_per_iteration, role="columns")
     key = (plan["kernel"], n, plan["group_rows"])
     if key not in analyzed:
         analyzed[key] = (analyze_row_path(sums_function, arch, sums_plan, op, "backward"),

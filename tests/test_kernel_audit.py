@@ -163,6 +163,51 @@ def test_reaching_definitions_follow_spills():
     assert len(blocks) == 1 and by_address == {0x50: {0x230}, 0x70: set()}
 
 
+def _tiny_with(old: str, new: str) -> sass.Function:
+    text = FIXTURE.read_text()
+    assert old in text
+    (function,) = sass.parse_sass(text.replace(old, new)).values()
+    return function
+
+
+TINY_PLAN = {"lanes": 64, "threads": 64, "vec": 8, "cols": 64 * 8, "packs": 1, "staged": False}
+
+
+def test_guard_fails_on_an_unattributed_access():
+    """The out store's address from a parameter that is no pointer (0x300 instead of out's 0x230): the audit
+    raises rather than leave the store out of the figures (how the long forward's normalize pass went missing on
+    sm_90: its out stores got no pointer, so the path stopped after the statistics at half the DRAM bytes)."""
+    function = _tiny_with("ULDC.64 UR12, c[0x0][0x230]", "ULDC.64 UR12, c[0x0][0x300]")
+    with pytest.raises(kernel_audit.AttributionError, match=r"0x1e0 STG.E.128 -> no pointer"):
+        kernel_audit.analyze_row_path(function, SM90, TINY_PLAN, "layer_norm", "forward")
+
+
+def test_guard_fails_on_a_path_without_its_output():
+    """Every access attributed, but no store of out on the path (the store here writes shared memory): the audit
+    raises, naming the stream and the path. Read as a backward kernel (0x210: grad_out, 0x230: rstd), the
+    fixture reads no saved and writes no partials."""
+    function = _tiny_with("STG.E.128 desc[UR6][R4.64], R12", "STS.128 [R4], R12")
+    with pytest.raises(kernel_audit.AttributionError, match=r"no store of out on the path \(path: B0 B1 B2"):
+        kernel_audit.analyze_row_path(function, SM90, TINY_PLAN, "layer_norm", "forward")
+    with pytest.raises(kernel_audit.AttributionError,
+                       match=r"no load of saved on the path; no store of grad_input on the path; "
+                             r"no store of partial_dbias in the kernel; no store of partial_dweight in the kernel"):
+        kernel_audit.analyze_row_path(_tiny(), SM90, TINY_PLAN, "layer_norm", "backward")
+
+
+@pytest.mark.parametrize(("op", "direction", "role", "loads", "stores", "kernel_stores"), [
+    ("layer_norm", "forward", "rows", {"input"}, {"out"}, set()),
+    ("rms_norm", "forward_quant", "rows", {"input"}, {"codes", "row_scales"}, set()),
+    ("layer_norm", "backward", "rows", {"grad_out", "saved"}, {"grad_input"}, {"partial_dweight", "partial_dbias"}),
+    ("rms_norm", "backward", "rows", {"grad_out", "saved"}, {"grad_input"}, {"partial_dweight"}),
+    ("rms_norm", "backward", "sums", {"grad_out", "saved"}, {"row_terms"}, set()),
+    ("layer_norm", "backward", "columns", {"grad_out", "saved", "row_terms"},
+     {"grad_input", "partial_dweight", "partial_dbias"}, set()),
+])
+def test_expected_streams(op, direction, role, loads, stores, kernel_stores):
+    assert kernel_audit.expected_streams(op, direction, role) == (loads, stores, kernel_stores)
+
+
 @pytest.mark.parametrize(
     "registers, shared, threads, expected",
     [(128, 1216, 512, 1), (128, 9408, 128, 4), (64, 320, 128, 8), (50, 1408, 512, 2), (32, 384, 512, 4),
