@@ -1,10 +1,11 @@
 """Kernel audit: properties of the compiled CUDA kernels that decide their speed, read without a GPU from the
 built library's SASS (cuobjdump) and the dispatcher's launch plan (layernorm_ext._C.cuda_launch_plan).
 
-For every dispatched kernel (LayerNorm and RMSNorm, bf16 and fp32, forward and backward, N in SIZES, sm_80 and
-sm_90): registers, spills, CTAs and threads per SM, bytes of loads a thread issues before their first use, KB of
-loads in flight per SM, barriers, FP64 instructions and instructions per element on a row's hot path, and DRAM
-bytes per element. The method, and what is approximate in it, is in benchmarks/README.md ("Kernel audit").
+For every dispatched kernel (LayerNorm and RMSNorm, bf16 and fp32, forward, backward and the forward with
+quantized output (forward_quant: one variant, QUANT_VARIANT), N in SIZES, sm_80 and sm_90): registers, spills,
+CTAs and threads per SM, bytes of loads a thread issues before their first use, KB of loads in flight per SM,
+barriers, FP64 instructions and instructions per element on a row's hot path, and DRAM bytes per element. The
+method, and what is approximate in it, is in benchmarks/README.md ("Kernel audit").
 
     python benchmarks/kernel_audit.py --out benchmarks/RESULTS-kernel-audit.md   # tables and every target
     python benchmarks/kernel_audit.py --check     # CI: exit 1 on a missed target not in KNOWN_MISSES_FILE,
@@ -27,7 +28,8 @@ import sass  # noqa: E402
 SIZES = (256, 512, 1024, 2048, 4096, 5120, 8192, 16384, 32768, 65536, 131072, 262144)
 OPS = ("layer_norm", "rms_norm")
 DTYPES = ("bfloat16", "float32")
-DIRECTIONS = ("forward", "backward")
+# forward_quant: the forward with quantized output (codes and a scale per row instead of out; QUANT_VARIANT).
+DIRECTIONS = ("forward", "backward", "forward_quant")
 ROWS_BYTES = 256 << 20  # rows per case: the input holds 256 MiB, as the CUDA benchmark's big size
 DEBUG = bool(os.environ.get("KERNEL_AUDIT_DEBUG"))
 # Text after this line in the --out file is written by hand (the comparison with earlier analyses): kept.
@@ -65,24 +67,71 @@ TARGET_ARCH = "sm_90"
 FORWARD_POINTERS = ("input", "residual", "weight", "bias", "out", "residual_out", "mean", "rstd")
 BACKWARD_POINTERS = ("grad_out", "grad_residual_out", "saved", "mean", "rstd", "weight", "bias", "grad_input",
                      "partial_dweight", "partial_dbias")
+# The long backward's second parameter, after BackwardArgs<float> (128 bytes): the rows' terms [rows, 4] (mean,
+# delta, mean_g, k) that backward_long_sums_kernel writes and backward_long_kernel reads (per row, not per element).
+BACKWARD_ARGS_BYTES = 128
+# Run-time flags of the plain kernels that the audited call fixes, decided as QUANT_VARIANT's fields are (below):
+# BackwardArgs.saved_is_output (byte 116; false: the default mode saves the input), with which every backward
+# kernel picks one of two copies of its row code (the other, the memory-efficient mode's, derives the input from
+# the output); forward_long_kernel's `staged` parameter (right after ForwardArgs), the plan's.
+SAVED_IS_OUTPUT_OFFSET = 116
+# QuantArgs (forward_kernels.cuh), the quantized kernels' second parameter: its pointer fields by byte offset, and
+# where it starts: after ForwardArgs<float> (120 bytes; float is the compute type of bf16 and fp32 rows), and in
+# forward_long_kernel after its `staged` flag too (8-byte aligned).
+QUANT_POINTERS = {"codes": 0, "scale": 8, "scale_ub": 16, "row_scales": 24, "block_scales": 48}
+FORWARD_ARGS_BYTES = 120
+QUANT_ARGS_OFFSET = {"rows": FORWARD_ARGS_BYTES, "long": FORWARD_ARGS_BYTES + 8}
+# The audited quantized variant, vLLM's rms_norm_dynamic_per_token_quant to float8_e4m3fn (its LayerNorm
+# counterpart for layer_norm): a dynamic scale per row from the row's absmax, no scale_ub, no groups. The QuantArgs
+# fields it fixes, as (offset, bytes, value): the kernel's run-time branches on them are decided
+# (sass.decided_successors), the other variants' code is off the path.
+QUANT_VARIANT = {"scale": (8, 8, 0), "scale_ub": (16, 8, 0), "code": (32, 1, 0),  # quant::Code::kE4m3fn
+                 "group_units": (36, 4, 0), "block_scales": (48, 8, 0), "swizzled": (72, 1, 0)}
 # A thread-block cluster's barrier (cluster.sync(): arrive, then wait): counted once, as a barrier.
 CLUSTER_BARRIERS = ("UCGABAR_ARV", "UCGABAR_WAIT")
 CLUSTER_BARRIER_WAIT = "UCGABAR_WAIT"
 # Streams with one access per element (DRAM traffic); weight / bias are per column (L2), mean / rstd per row.
 ELEMENT_STREAMS = {"input", "residual", "out", "residual_out", "grad_out", "grad_residual_out", "saved",
-                   "grad_input", "partial_dweight", "partial_dbias"}
+                   "grad_input", "partial_dweight", "partial_dbias", "codes"}
 
 
 def call_streams(op: str, direction: str) -> tuple[set[str], set[str]]:
     """(used, unused) streams of the audited call: the plain op with weight (and bias for LayerNorm), no
-    residual, no quantized output; the backward of the default (non memory-efficient) mode."""
+    residual, no quantized output; the backward of the default (non memory-efficient) mode; the quantized forward
+    of QUANT_VARIANT (codes and the rows' scales; no out, no statistics)."""
     rms = op == "rms_norm"
+    if direction == "forward_quant":
+        used = {"input", "weight", "codes", "row_scales"} | (set() if rms else {"bias"})
+        return used, (set(FORWARD_POINTERS) | set(QUANT_POINTERS)) - used
     if direction == "forward":
         used = {"input", "weight", "out", "rstd"} | (set() if rms else {"bias", "mean"})
         return used, set(FORWARD_POINTERS) - used
-    used = {"grad_out", "saved", "rstd", "weight", "grad_input", "partial_dweight"}
+    used = {"grad_out", "saved", "rstd", "weight", "grad_input", "partial_dweight", "row_terms"}
     used |= set() if rms else {"mean", "partial_dbias"}
-    return used, set(BACKWARD_POINTERS) - used
+    return used, (set(BACKWARD_POINTERS) | {"row_terms"}) - used
+
+
+class AttributionError(RuntimeError):
+    """The audit cannot vouch for a path's figures: a global access the kernel can run is attributed to no pointer
+    (or to several), or the path misses a stream the kernel must read or write. Its figures would leave that
+    traffic out (as the long forward's normalize pass was, unseen, until 2026-12-02)."""
+
+
+def expected_streams(op: str, direction: str, role: str = "rows") -> tuple[set[str], set[str], set[str]]:
+    """(loads, stores) a row's path must hold, and stores the kernel must hold somewhere (outside the row
+    region: the rows and cluster backward's partials, written once per block after its rows), by kernel role:
+    "rows" (every kernel but the long backward's), "sums" (backward_long_sums_kernel: dy and saved in, the rows'
+    terms out), "columns" (backward_long_kernel: dx and the partials of its group of rows)."""
+    partials = {"partial_dweight"} | (set() if op == "rms_norm" else {"partial_dbias"})
+    if direction == "forward":
+        return {"input"}, {"out"}, set()
+    if direction == "forward_quant":
+        return {"input"}, {"codes", "row_scales"}, set()
+    if role == "sums":
+        return {"grad_out", "saved"}, {"row_terms"}, set()
+    if role == "columns":
+        return {"grad_out", "saved", "row_terms"}, {"grad_input"} | partials, set()
+    return {"grad_out", "saved"}, {"grad_input"}, partials
 
 
 # ---- occupancy -------------------------------------------------------------------------------------------------
@@ -111,12 +160,7 @@ class PathFigures:
     loads_before_use: int = 0  # peak bytes per thread of global loads issued and not yet consumed
     row_loads_before_use: int = 0  # the same, loads of ELEMENT_STREAMS only (DRAM; weight / bias hit L2)
     streams_found: set[str] = field(default_factory=set)
-
-
-def _stream_of(instructions: list[sass.Instruction], position: int, pointers: dict[int, str]) -> str | None:
-    params = sass.address_parameters(instructions, position)
-    names = [pointers[p] for p in sorted(params) if p in pointers]
-    return names[0] if names else None
+    path: list[int] = field(default_factory=list)  # the blocks of the path (sass.basic_blocks indices)
 
 
 def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, direction: str) -> PathFigures:
@@ -128,23 +172,50 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     the all-reduce's shared-memory writes; the stage's accesses when staged; entries of loops that run) wins,
     ties to the fewest instructions. Loops count trip / unroll times:
     column loops ceil(units / threads), shuffle loops log2(lanes in a warp), shared-memory merge loops
-    ceil(warps of the row / 32); of a loop and its remainder loops only the most unrolled counts."""
-    pointers_list = FORWARD_POINTERS if direction == "forward" else BACKWARD_POINTERS
+    ceil(warps of the row / 32); of a loop and its remainder loops only the most unrolled counts.
+    Accesses are attributed to a pointer along the control-flow graph (sass.attributed_accesses), its branches
+    decided by the parameters the call fixes (saved_is_output, staged; QUANT_VARIANT's fields): only their taken
+    side is kept. AttributionError where an access the call can run has no pointer, or the path lacks a stream of
+    expected_streams. forward_quant: the loops folding the warps' absmax (shared or distributed shared memory)
+    count (warps of the row) / (states per iteration) times."""
+    forward = direction != "backward"
+    pointers_list = FORWARD_POINTERS if forward else BACKWARD_POINTERS
     pointers = {arch.param_base + 8 * i: name for i, name in enumerate(pointers_list)}
+    if not forward:  # the long backward's row_terms (no other backward kernel has a second parameter)
+        pointers[arch.param_base + BACKWARD_ARGS_BYTES] = "row_terms"
+    known: dict[int, int] = {}  # parameter bytes the audited variant fixes
+    if direction == "forward_quant":
+        quant_base = arch.param_base + QUANT_ARGS_OFFSET["rows" if plan["packs"] else "long"]
+        pointers.update({quant_base + offset: name for name, offset in QUANT_POINTERS.items()})
+        known = {quant_base + offset + k: (value >> (8 * k)) & 0xFF
+                 for offset, size, value in QUANT_VARIANT.values() for k in range(size)}
+    if not forward:  # the default mode saves the input (the memory-efficient mode's copy of the code is off the path)
+        known[arch.param_base + SAVED_IS_OUTPUT_OFFSET] = 0
+    elif not plan["packs"]:  # forward_long_kernel's `staged`: the plan's
+        known[arch.param_base + FORWARD_ARGS_BYTES] = int(plan["staged"])
     used, unused = call_streams(op, direction)
     lanes, threads = plan["lanes"], plan["threads"]
     cluster = plan.get("cluster", 1)  # blocks per row (a thread-block cluster): the row's threads are lanes
     row_spans_warps = lanes > 32
     units = -(-plan["cols"] // plan["vec"])
 
-    instructions = [i for i in function.instructions if i.op != "NOP"]
-    position = {i.address: n for n, i in enumerate(instructions)}
-    blocks = sass.basic_blocks(function)
-    stream = {}
-    for block in blocks:
-        for instruction in block.instructions:
-            if instruction.op in sass.GLOBAL_LOADS + sass.GLOBAL_STORES + sass.ASYNC_COPIES:
-                stream[instruction.address] = _stream_of(instructions, position[instruction.address], pointers)
+    # Every global access attributed to the pointer its address derives from, along the control-flow graph's edges
+    # that `known` leaves taken (sass.reaching_parameters), once per kernel and `known`.
+    blocks, successors, parameters = sass.attributed_accesses(function, known)
+    pointer_names = {address: [pointers[p] for p in sorted(params) if p in pointers]
+                     for address, params in parameters.items()}
+    stream = {address: names[0] if len(names) == 1 else None for address, names in pointer_names.items()}
+    # Guard: every access the audited call can run (its blocks reachable along the taken edges) has one pointer; an
+    # access of none would be left out of the figures, and could steer the path away from the code it lies in.
+    reachable = sass.reachable(successors)
+    unattributed = [f"{i.address:#x} {i.opcode} -> {pointer_names[i.address] or 'no pointer'}"
+                    for b in sorted(reachable) for i in blocks[b].instructions
+                    if i.address in pointer_names and len(pointer_names[i.address]) != 1]
+    if unattributed:
+        raise AttributionError(
+            f"{function.name} ({direction}): global accesses attributed to no pointer or to several: "
+            f"{', '.join(unattributed[:6])}; are FORWARD_POINTERS / BACKWARD_POINTERS / QUANT_POINTERS in step with "
+            "the kernels' argument structs?")
 
     def has(block: sass.Block, ops: Iterable[str]) -> bool:
         return any(i.op in ops for i in block.instructions)
@@ -152,9 +223,9 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     def streams_in(block_ids: Iterable[int]) -> set[str]:
         return {stream[i.address] for b in block_ids for i in blocks[b].instructions if stream.get(i.address)}
 
-    all_loops = sass.loops(blocks)
-    first_stream = "input" if direction == "forward" else "grad_out"
-    out_stream = "out" if direction == "forward" else "grad_input"
+    all_loops = [loop for loop in sass.loops(blocks) if loop.header in successors[loop.latch]]  # back edge taken
+    first_stream = "input" if forward else "grad_out"
+    out_stream = "codes" if direction == "forward_quant" else ("out" if forward else "grad_input")
     row_loops = [
         loop for loop in all_loops
         if first_stream in streams_in(loop.blocks) and any(has(blocks[b], ("SHFL", "BAR")) for b in loop.blocks)
@@ -165,14 +236,26 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     inner = [loop for loop in all_loops if loop is not row_loop and loop.blocks <= region_set]
 
     # Loop multiplicities.
+    def folds_absmax(loop: sass.Loop) -> bool:  # quant::nan_max: FSETP.NAN, FSETP.GT.OR, FSEL per state
+        return any(i.opcode.startswith("FSETP.NAN") for b in loop.blocks for i in blocks[b].instructions)
+
     def kind(loop: sass.Loop) -> str:
         if any(has(blocks[b], ("SHFL",)) for b in loop.blocks):
             return "shuffle"
         if streams_in(loop.blocks) or any(has(blocks[b], ("STS",)) for b in loop.blocks):
             return "column"
+        if direction == "forward_quant" and folds_absmax(loop):
+            # The row's absmax from its warps' (every thread reads them all): from shared memory, or on a cluster
+            # from the blocks' distributed shared memory (generic loads, LD); two copies of the loop, one per case.
+            if any(has(blocks[b], ("LD",)) for b in loop.blocks):
+                return "absmax-cluster"
+            if any(has(blocks[b], ("LDS",)) for b in loop.blocks):
+                return "absmax"
         return "merge" if any(has(blocks[b], ("LDS",)) for b in loop.blocks) else "other"
 
     def marker_count(loop: sass.Loop, k: str) -> int:
+        if k.startswith("absmax"):  # warps' states per iteration
+            return sum(1 for b in loop.blocks for i in blocks[b].instructions if i.opcode.startswith("FSETP.NAN"))
         ops = {"column": sass.GLOBAL_LOADS + sass.GLOBAL_STORES + ("LDS", "STS"), "shuffle": ("SHFL",),
                "merge": ("LDS",), "other": ()}[k]
         return sum(1 for b in loop.blocks for i in blocks[b].instructions if i.op in ops) or 1
@@ -182,6 +265,8 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         "shuffle": int(math.log2(min(lanes, 32))) if lanes > 1 else 0,
         "merge": -(-(lanes // 32) // 32),  # a lane takes every 32nd warp's state (merge_shifted_moments)
         "other": 1,
+        "absmax": lanes // 32,
+        "absmax-cluster": lanes // 32,
     }
     multiplicity = {b: 1.0 for b in region}
     top = [loop for loop in inner if not any(other.contains(loop) for other in inner)]
@@ -202,6 +287,8 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         smallest = min(marker_count(loop, k) for loop in group)
         unroll = marker_count(main, k) / smallest if len(group) > 1 else (
             marker_count(main, k) if k == "column" else 1)
+        if k.startswith("absmax"):
+            unroll = marker_count(main, k)
         if k == "column":
             # One pack of the row per source iteration: loads of the row's first stream, else (the staged
             # pass 2) stores of its output.
@@ -241,7 +328,14 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         """An access to a stream the call does not use, under a predicate: the predicate is its null test."""
         return bool(i.predicate) and stream.get(i.address) in unused
 
+    # The absmax loop of the other case: a row of one block reads no distributed shared memory, a row on a cluster
+    # reads its warps' absmax through it.
+    other_absmax = {b for loop in inner if kind(loop) == ("absmax" if cluster > 1 else "absmax-cluster")
+                    for b in loop.blocks}
+
     def excluded(block: sass.Block) -> bool:
+        if block.index in other_absmax:
+            return True
         if has(block, ("PMTRIG",)):
             return True  # kernel_common.cuh's cold_path(): rows whose float statistics overflowed, not the hot path
         for i in block.instructions:
@@ -282,10 +376,10 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     for b in region:
         if b not in best:
             continue
-        successors = [s for s in blocks[b].successors if s > b and s in region_set]
-        if len(successors) < len(blocks[b].successors) or not blocks[b].successors:
+        forward_edges = [s for s in successors[b] if s > b and s in region_set]
+        if len(forward_edges) < len(successors[b]) or not successors[b]:
             ends.append(b)
-        for s in successors:
+        for s in forward_edges:
             if excluded(blocks[s]):
                 continue
             candidate = (best[b][0] + score(blocks[s]), best[b][1] - cost(blocks[s]), b)
@@ -307,7 +401,7 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
                     print(f"  B{b} {i.address:#x} {i.predicate} {i.opcode} {stream[i.address]}")
         print(function.name[:60], "path:", " ".join(f"B{b}x{multiplicity[b]:g}({len(blocks[b].instructions)})" for b in path))
 
-    figures = PathFigures()
+    figures = PathFigures(path=path)
     outstanding: dict[int, tuple[set[int], int]] = {}  # load address -> (destination registers, bytes)
     async_bytes = 0
     for b in path:
@@ -338,11 +432,21 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
                 print(f"  peak {in_flight} B at {i.address:#x}:", [(hex(a), stream.get(a)) for a in outstanding])
             figures.loads_before_use = max(figures.loads_before_use, in_flight)
             figures.row_loads_before_use = max(figures.row_loads_before_use, row_in_flight + async_bytes)
-    if first_stream not in figures.streams_found:
-        raise RuntimeError(
-            f"{function.name}: no {first_stream} access found on the path; are FORWARD_POINTERS / BACKWARD_POINTERS "
-            "in step with the kernels' argument structs?"
-        )
+    # Guard: the path reads and writes every stream the kernel must (a path without its output's stores reports
+    # too few bytes and instructions), and the kernel writes the partials it must.
+    want_loads, want_stores, want_kernel_stores = expected_streams(op, direction, plan.get("role", "rows"))
+    path_accesses = [i for b in path for i in blocks[b].instructions if i.address in stream and not skipped(i)]
+    loaded = {stream[i.address] for i in path_accesses if i.op in sass.GLOBAL_LOADS + sass.ASYNC_COPIES}
+    stored = {stream[i.address] for i in path_accesses if i.op in sass.GLOBAL_STORES}
+    kernel_stored = {stream[i.address] for b in reachable for i in blocks[b].instructions
+                     if i.op in sass.GLOBAL_STORES and i.address in stream}
+    missing = ([f"no load of {name} on the path" for name in sorted(want_loads - loaded)]
+               + [f"no store of {name} on the path" for name in sorted(want_stores - stored)]
+               + [f"no store of {name} in the kernel" for name in sorted(want_kernel_stores - kernel_stored)])
+    if missing:
+        raise AttributionError(
+            f"{function.name} ({op} {direction}, {plan.get('role', 'rows')} kernel): {'; '.join(missing)} "
+            f"(path: {' '.join(f'B{b}' for b in path)})")
     return figures
 
 
@@ -400,9 +504,9 @@ def audit(library: str, archs: Iterable[str], plan_function) -> list[Row]:
         plans = {}
         for op, dtype, direction, n in cases:
             m = case_rows(dtype, n)
-            plan = plan_function(op=op, direction=direction, input_dtype=dtype, rows=m, cols=n, sm_count=arch.sms,
-                                 max_shared_per_block=arch.shared_per_block,
-                                 compute_capability=arch.compute_capability)
+            plan = plan_function(op=op, direction=direction.removesuffix("_quant"), input_dtype=dtype, rows=m, cols=n,
+                                 sm_count=arch.sms, max_shared_per_block=arch.shared_per_block,
+                                 compute_capability=arch.compute_capability, quantized=direction == "forward_quant")
             plans[(op, dtype, direction, n)] = plan
         names = {p["kernel"] for p in plans.values()} | {p["sums_kernel"] for p in plans.values() if p.get("sums_kernel")}
         wanted = {by_kernel[name] for name in names if name in by_kernel}
@@ -418,9 +522,10 @@ def audit(library: str, archs: Iterable[str], plan_function) -> list[Row]:
             resident = blocks_per_sm(arch, function.registers, function.shared + dynamic, plan["threads"])
             m = case_rows(dtype, n)
             if plan["persistent"]:  # the grid the launcher takes from the occupancy API
-                plan = plan_function(op=op, direction=direction, input_dtype=dtype, rows=m, cols=n,
-                                     sm_count=arch.sms, max_shared_per_block=arch.shared_per_block,
-                                     blocks_per_sm=resident, compute_capability=arch.compute_capability)
+                plan = plan_function(op=op, direction=direction.removesuffix("_quant"), input_dtype=dtype, rows=m,
+                                     cols=n, sm_count=arch.sms, max_shared_per_block=arch.shared_per_block,
+                                     blocks_per_sm=resident, compute_capability=arch.compute_capability,
+                                     quantized=direction == "forward_quant")
             plan = dict(plan, cols=n)
             buffers = 1 if op == "rms_norm" else 2
             if plan.get("sums_kernel"):
@@ -459,12 +564,12 @@ def long_backward_row(arch: Arch, sums_function: sass.Function, function: sass.F
     per row, its set-up and partials' store once per group of rows); instructions, FP64, barriers and bytes
     added, registers the larger, spills both, in-flight the smaller of the two."""
     n, vec = plan["cols"], plan["vec"]
-    sums_plan = dict(plan, kernel=plan["sums_kernel"], lanes=256, threads=256)  # kLongThreads per row
+    sums_plan = dict(plan, kernel=plan["sums_kernel"], lanes=256, threads=256, role="sums")  # kLongThreads per row
     # Rows per iteration of the column pass (kLongPacks, backward_kernels.cuh): its loads of dy and saved come from
     # one address computation, which the stream attribution may give to either.
     rows_per_iteration = min(4, max(1, 32 // (ELEMENT_BYTES[dtype] * vec)))
     column_plan = dict(plan, lanes=plan["threads"], cols=vec * plan["threads"], once_per_row=1 / plan["group_rows"],
-                       rows_per_iteration=rows_per_iteration)
+                       rows_per_iteration=rows_per_iteration, role="columns")
     key = (plan["kernel"], n, plan["group_rows"])
     if key not in analyzed:
         analyzed[key] = (analyze_row_path(sums_function, arch, sums_plan, op, "backward"),
@@ -520,7 +625,8 @@ def targets(row: Row) -> list[Check]:
     if limit is not None:
         checks.append(Check(row, "instructions_per_element", round(row.per_element, 1), f"<= {limit:g}",
                             row.per_element <= limit))
-    dram_limit = 2 * s if row.direction == "forward" else 3 * s + BACKWARD_SMALL_BYTES
+    # The quantized forward reads the input once and writes a byte of code per element (its scale per row: negligible).
+    dram_limit = {"forward": 2 * s, "forward_quant": s + 1}.get(row.direction, 3 * s + BACKWARD_SMALL_BYTES)
     checks.append(Check(row, "dram_bytes_per_element", round(row.dram_per_element, 2), f"<= {dram_limit:g}",
                         row.dram_per_element <= dram_limit + 1e-9))
     return checks
@@ -619,7 +725,10 @@ def report(rows: list[Row], checks: list[Check], command: str) -> str:
         "input holds 256 MiB. Per thread and row on the audited call's hot path (weight, and bias for LayerNorm; "
         "no residual). `B before use/thr`: bytes of global loads a thread has issued and not yet consumed, at the "
         "peak: all loads / loads of the row's streams (x, dy, saved: DRAM; weight and bias mostly hit L2). "
-        "`KB in flight/SM` = the row streams' figure x threads per SM, the figure the target is set for.",
+        "`KB in flight/SM` = the row streams' figure x threads per SM, the figure the target is set for. "
+        "`forward_quant`: the quantized output of one variant, vLLM's rms_norm_dynamic_per_token_quant to "
+        "float8_e4m3fn (a dynamic scale per row, no scale_ub, no groups; the LayerNorm kernel likewise): codes, 1 "
+        "byte per element, and a scale per row instead of out, no statistics.",
         "",
         f"## Targets (sm_90): {met} of {len(checks)} met",
         "",

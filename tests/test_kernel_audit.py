@@ -44,10 +44,14 @@ def test_blocks_loops_and_address_parameters():
     assert [(b.start, b.successors) for b in blocks] == [
         (0x0, [1]), (0x110, [1, 2]), (0x160, [4, 3]), (0x180, [4]), (0x1A0, []), (0x200, [5])]
     assert [(loop.header, loop.latch) for loop in sass.loops(blocks)] == [(1, 1), (5, 5)]
-    instructions = [i for i in function.instructions if i.op != "NOP"]
-    params = {i.address: sass.address_parameters(instructions, n) for n, i in enumerate(instructions)
+    reaching = sass.reaching_parameters(blocks, [b.successors for b in blocks])
+    params = {i.address: reaching(b.index, k) for b in blocks for k, i in enumerate(b.instructions)
               if i.op in ("LDG", "STG")}
     assert params == {0x80: {0x210}, 0x90: {0x210}, 0xC0: {0x218}, 0x1E0: {0x230}}
+    # The same, cached on the function for every global access, with the blocks and their successors.
+    cached_blocks, successors, by_address = sass.attributed_accesses(function)
+    assert by_address == params and successors == [b.successors for b in blocks]
+    assert sass.attributed_accesses(function)[0] is cached_blocks
 
 
 @pytest.mark.parametrize("lanes, barriers", [(64, 1), (16, 0)])
@@ -79,6 +83,131 @@ def test_divergence_branch_falls_through_and_cold_path_is_left_out():
     assert figures.streams_found == {"input", "out"}
 
 
+def _function(lines: str) -> sass.Function:
+    """A function of hand-written SASS, one instruction per line: `address opcode operands`."""
+    body = "\n".join(f"        /*{int(a, 16):04x}*/ {rest.strip()} ;" for a, rest in
+                     (line.strip().split(" ", 1) for line in lines.strip().splitlines()))
+    (function,) = sass.parse_sass("\t\tFunction : _Z1fv\n" + body).values()
+    return function
+
+
+# A quantized kernel's branches, as nvcc writes them: the code (QuantArgs.code at 0x2a8) sign-extended and compared,
+# a flag kept as bit 0 of a register of unknown bits (cleared, set under a predicate, tested by a LOP3 into a
+# predicate), and the static scale's null test (a 64-bit pointer at 0x290).
+BRANCHES = """
+0x00 LDC.U8 R4, c[0x0][0x2a8]
+0x10 PRMT R5, R4, 0x9910, RZ
+0x20 ISETP.NE.AND P0, PT, R5, 0x2, PT
+0x30 LOP3.LUT R2, R2, 0xfffffffe, RZ, 0xc0, !PT
+0x40 @P0 LOP3.LUT R2, R2, 0x1, RZ, 0xfc, !PT
+0x50 LDC.64 R6, c[0x0][0x290]
+0x60 ISETP.NE.U32.AND P1, PT, R6, RZ, PT
+0x70 ISETP.NE.AND.EX P1, PT, R7, RZ, PT, P1
+0x80 @P1 BRA 0xc0
+0x90 LOP3.LUT P2, RZ, R2, 0x1, RZ, 0xc0, !PT
+0xa0 @!P2 BRA 0xd0
+0xb0 EXIT
+0xc0 EXIT
+0xd0 EXIT
+"""
+
+
+@pytest.mark.parametrize(
+    "params, taken",
+    [
+        ({**{0x290 + k: 0 for k in range(8)}, 0x2a8: 0}, [[1], [2], [], [], []]),  # dynamic scale, e4m3fn: bit set
+        ({**{0x290 + k: 0 for k in range(8)}, 0x2a8: 2}, [[1], [4], [], [], []]),  # int8: the bit stays clear
+        ({0x2a8: 0}, [[3, 1], [2], [], [], []]),  # the scale unknown: both ways
+        ({}, [[3, 1], [4, 2], [], [], []]),
+    ],
+)
+def test_branches_decided_by_known_parameters(params, taken):
+    blocks = sass.basic_blocks(_function(BRANCHES))
+    assert [b.start for b in blocks] == [0x0, 0x90, 0xB0, 0xC0, 0xD0]
+    assert sass.decided_successors(blocks, params) == taken
+
+
+def test_reaching_definitions_follow_the_graph():
+    """The address of the load at 0x40 comes from the weight pointer (0x220) defined before the branch; the
+    nearest definition in address order (0x20, the input's: what the audit's earlier backward search in address
+    order found) is on the path that exits."""
+    function = _function("""
+0x00 LDC.64 R4, c[0x0][0x220]
+0x10 @P0 BRA 0x40
+0x20 LDC.64 R4, c[0x0][0x210]
+0x30 EXIT
+0x40 LDG.E R6, desc[UR4][R4.64]
+0x50 EXIT
+""")
+    blocks = sass.basic_blocks(function)
+    reaching = sass.reaching_parameters(blocks, [b.successors for b in blocks])
+    assert reaching(2, 0) == {0x220}
+
+
+def test_reaching_definitions_follow_spills():
+    """A pointer spilled to the stack (STL) and reloaded (LDL) before the store: its address is followed through
+    the stack word to the pointer (0x230), as in the long backward's partial_dweight store (bf16 LayerNorm, sm_90),
+    not to the stack pointer; a reload of another word finds nothing."""
+    function = _function("""
+0x00 LDC R1, c[0x0][0x28]
+0x10 LDC.64 R4, c[0x0][0x230]
+0x20 STL.64 [R1+0x8], R4
+0x30 MOV R4, RZ
+0x40 LDL.64 R6, [R1+0x8]
+0x50 STG.E desc[UR4][R6.64], R0
+0x60 LDL.64 R8, [R1+0x10]
+0x70 STG.E desc[UR4][R8.64], R0
+0x80 EXIT
+""")
+    blocks, _, by_address = sass.attributed_accesses(function)
+    assert len(blocks) == 1 and by_address == {0x50: {0x230}, 0x70: set()}
+
+
+def _tiny_with(old: str, new: str) -> sass.Function:
+    text = FIXTURE.read_text()
+    assert old in text
+    (function,) = sass.parse_sass(text.replace(old, new)).values()
+    return function
+
+
+TINY_PLAN = {"lanes": 64, "threads": 64, "vec": 8, "cols": 64 * 8, "packs": 1, "staged": False}
+
+
+def test_guard_fails_on_an_unattributed_access():
+    """The out store's address from a parameter that is no pointer (0x300 instead of out's 0x230): the audit
+    raises rather than leave the store out of the figures (how the long forward's normalize pass went missing on
+    sm_90: its out stores got no pointer, so the path stopped after the statistics at half the DRAM bytes)."""
+    function = _tiny_with("ULDC.64 UR12, c[0x0][0x230]", "ULDC.64 UR12, c[0x0][0x300]")
+    with pytest.raises(kernel_audit.AttributionError, match=r"0x1e0 STG.E.128 -> no pointer"):
+        kernel_audit.analyze_row_path(function, SM90, TINY_PLAN, "layer_norm", "forward")
+
+
+def test_guard_fails_on_a_path_without_its_output():
+    """Every access attributed, but no store of out on the path (the store here writes shared memory): the audit
+    raises, naming the stream and the path. Read as a backward kernel (0x210: grad_out, 0x230: rstd), the
+    fixture reads no saved and writes no partials."""
+    function = _tiny_with("STG.E.128 desc[UR6][R4.64], R12", "STS.128 [R4], R12")
+    with pytest.raises(kernel_audit.AttributionError, match=r"no store of out on the path \(path: B0 B1 B2"):
+        kernel_audit.analyze_row_path(function, SM90, TINY_PLAN, "layer_norm", "forward")
+    with pytest.raises(kernel_audit.AttributionError,
+                       match=r"no load of saved on the path; no store of grad_input on the path; "
+                             r"no store of partial_dbias in the kernel; no store of partial_dweight in the kernel"):
+        kernel_audit.analyze_row_path(_tiny(), SM90, TINY_PLAN, "layer_norm", "backward")
+
+
+@pytest.mark.parametrize(("op", "direction", "role", "loads", "stores", "kernel_stores"), [
+    ("layer_norm", "forward", "rows", {"input"}, {"out"}, set()),
+    ("rms_norm", "forward_quant", "rows", {"input"}, {"codes", "row_scales"}, set()),
+    ("layer_norm", "backward", "rows", {"grad_out", "saved"}, {"grad_input"}, {"partial_dweight", "partial_dbias"}),
+    ("rms_norm", "backward", "rows", {"grad_out", "saved"}, {"grad_input"}, {"partial_dweight"}),
+    ("rms_norm", "backward", "sums", {"grad_out", "saved"}, {"row_terms"}, set()),
+    ("layer_norm", "backward", "columns", {"grad_out", "saved", "row_terms"},
+     {"grad_input", "partial_dweight", "partial_dbias"}, set()),
+])
+def test_expected_streams(op, direction, role, loads, stores, kernel_stores):
+    assert kernel_audit.expected_streams(op, direction, role) == (loads, stores, kernel_stores)
+
+
 @pytest.mark.parametrize(
     "registers, shared, threads, expected",
     [(128, 1216, 512, 1), (128, 9408, 128, 4), (64, 320, 128, 8), (50, 1408, 512, 2), (32, 384, 512, 4),
@@ -95,6 +224,16 @@ def _row(value: float, metric_value: float = 16.0) -> kernel_audit.Row:
                             plan=plan, registers=64, spill_bytes=0, blocks=8, threads_per_sm=1024,
                             loads_before_use=16, row_loads_before_use=16, inflight_kb=value, barriers=2, fp64=4, per_element=10.0,
                             dram_per_element=8.0)
+
+
+def test_quantized_targets():
+    """The quantized forward reads the input once and writes a byte per element; no instruction target."""
+    row = kernel_audit.Row(**{**_row(40.0).__dict__, "direction": "forward_quant", "dtype": "bfloat16",
+                              "dram_per_element": 3.0, "barriers": 3})
+    checks = {c.metric: c for c in kernel_audit.targets(row)}
+    assert set(checks) == {"inflight_kb", "barriers_per_row", "fp64_per_row", "spill_bytes", "dram_bytes_per_element"}
+    assert checks["dram_bytes_per_element"].target == "<= 3" and checks["dram_bytes_per_element"].met
+    assert not checks["barriers_per_row"].met  # 128 threads per row: one barrier at most
 
 
 def test_check_fails_on_new_misses_and_regressions_only(tmp_path):
@@ -207,3 +346,117 @@ def test_plan_mixed_dtypes_and_errors():
         _plan(op="batch_norm")
     with pytest.raises(ValueError, match="dtype must be"):
         _plan(input_dtype="int8")
+
+
+# ---- the quantized kernels' SASS (CUDA builds with sm_90 code, and cuobjdump: the `audit` extra) ---------------
+
+
+def _sm90_functions(kernels: set[str], what: str) -> dict[str, sass.Function]:
+    """The library's sm_90 functions of these kernels (demangled names, as the plan gives them), disassembled at
+    once; skips without cuobjdump or sm_90 code."""
+    from layernorm_ext import _C
+
+    try:
+        usage = sass.resource_usage(_C.__file__, "sm_90")
+    except (FileNotFoundError, OSError) as error:
+        pytest.skip(f"no cuobjdump: {error}")
+    except Exception as error:  # noqa: BLE001 (cuobjdump's own failure: no sm_90 code)
+        pytest.skip(f"cuobjdump: {error}")
+    by_kernel = {pretty.split("(", 1)[0].removeprefix("void ").removeprefix("layernorm_ext::cuda::"): name
+                 for name, pretty in sass.demangle(sass.function_names(usage)).items()}
+    if any(kernel not in by_kernel for kernel in kernels):
+        pytest.skip(f"the library holds no sm_90 code of the {what} kernels")
+    wanted = {by_kernel[kernel] for kernel in kernels}
+    functions = sass.parse_sass(sass.disassemble(_C.__file__, "sm_90", sorted(wanted)), wanted)
+    sass.parse_resource_usage(usage, functions)
+    return {kernel: functions[by_kernel[kernel]] for kernel in kernels}
+
+
+@pytest.fixture(scope="module")
+def quantized_sm90():
+    """(op, dtype, cols) -> (function, plan) of the quantized forward the sm_90 plan names."""
+    cases = [("rms_norm", "bfloat16", 4096), ("rms_norm", "bfloat16", 131072), ("layer_norm", "float32", 16384)]
+    plans = {case: dict(_plan(op=case[0], input_dtype=case[1], cols=case[2], rows=1024, quantized=True,
+                              compute_capability=90), cols=case[2]) for case in cases}
+    functions = _sm90_functions({plan["kernel"] for plan in plans.values()}, "quantized")
+    return {case: (functions[plan["kernel"]], plan) for case, plan in plans.items()}
+
+
+@pytest.fixture(scope="module")
+def plain_sm90():
+    """(op, dtype, direction, cols) -> (functions by kernel, plan) of the plain kernels the sm_90 plan names: the
+    long forward (staged; on a cluster of 2 at fp32 65536) and the long backward (its sums and column kernels)."""
+    cases = [("layer_norm", "bfloat16", "forward", 65536), ("layer_norm", "float32", "forward", 65536),
+             ("rms_norm", "bfloat16", "forward", 65536), ("layer_norm", "bfloat16", "backward", 262144),
+             ("rms_norm", "float32", "backward", 262144)]
+    plans = {case: dict(_plan(op=case[0], input_dtype=case[1], direction=case[2], cols=case[3], rows=1024,
+                              compute_capability=90, blocks_per_sm=2), cols=case[3]) for case in cases}
+    kernels = {k for plan in plans.values() for k in (plan["kernel"], plan.get("sums_kernel")) if k}
+    functions = _sm90_functions(kernels, "plain")
+    return {case: (functions, plan) for case, plan in plans.items()}
+
+
+@pytest.mark.parametrize("case", [("layer_norm", "bfloat16", "forward", 65536),
+                                  ("layer_norm", "float32", "forward", 65536),
+                                  ("rms_norm", "bfloat16", "forward", 65536)])
+def test_long_forward_path_normalizes(plain_sm90, case):
+    """The long forward's path runs both passes: the statistics, then out from the stage, weight and bias. Its out
+    stores' address is computed once per row, far ahead of them: the earlier search back in address order (400
+    instructions) found no pointer for them in the LayerNorm kernels, and the path stopped after the statistics
+    (2 B/elem bf16, 4 fp32, and about half the instructions)."""
+    op, dtype, _, cols = case
+    functions, plan = plain_sm90[case]
+    figures = kernel_audit.analyze_row_path(functions[plan["kernel"]], SM90, plan, op, "forward")
+    assert plan["staged"] and figures.streams_found >= {"input", "weight", "out"} | (
+        set() if op == "rms_norm" else {"bias"})
+    elements = cols / plan["lanes"]
+    assert figures.element_bytes / elements == pytest.approx(2 * kernel_audit.ELEMENT_BYTES[dtype])
+
+
+@pytest.mark.parametrize("case", [("layer_norm", "bfloat16", "backward", 262144),
+                                  ("rms_norm", "float32", "backward", 262144)])
+def test_long_backward_paths(plain_sm90, case):
+    """The long backward's sums pass ends with the row's coefficients (in double) and their store (row_terms, its
+    second parameter); the column pass reads the rows' terms and writes dx and every partial, the bf16 LayerNorm
+    kernel's partial_dweight through an address spilled to the stack; both passes take the default mode's copy of
+    their code (saved_is_output false), without the memory-efficient copy's divisions by the weight (FCHK)."""
+    op, dtype, _, cols = case
+    functions, plan = plain_sm90[case]
+    analyzed: dict = {}
+    kernel_audit.long_backward_row(SM90, functions[plan["sums_kernel"]], functions[plan["kernel"]], plan, op, dtype,
+                                   1024, 2, analyzed)
+    ((sums, columns),) = analyzed.values()
+    partials = {"partial_dweight"} | (set() if op == "rms_norm" else {"partial_dbias"})
+    assert sums.streams_found >= {"grad_out", "saved", "row_terms"} and sums.fp64 > 0
+    assert columns.streams_found >= {"grad_out", "saved", "row_terms", "grad_input"} | partials
+    for kernel, figures in ((plan["sums_kernel"], sums), (plan["kernel"], columns)):
+        assert _path_ops(functions[kernel], figures.path)["FCHK"] == 0
+
+
+def _path_ops(function: sass.Function, path: list[int]) -> dict[str, int]:
+    """Markers on the path, each block once: the division's FCHK, the codes' clamps (e4m3fn at 448, e5m2 at 57344),
+    int8's conversion (F2I)."""
+    blocks = sass.basic_blocks(function)
+    ops = [i for b in path for i in blocks[b].instructions]
+    return {"FCHK": sum(i.op == "FCHK" for i in ops),
+            "448": sum(i.op == "FMNMX" and "448" in i.operands for i in ops),
+            "57344": sum(i.op == "FMNMX" and "57344" in i.operands for i in ops),
+            "F2I": sum(i.op == "F2I" for i in ops)}
+
+
+@pytest.mark.parametrize(("case", "values", "barriers"), [
+    (("rms_norm", "bfloat16", 4096), 32, 3),  # a thread's 4 packs of 8; the statistics' barrier, row_allreduce's two
+    (("layer_norm", "float32", 16384), 32, 3),  # 8 packs of 4
+    (("rms_norm", "bfloat16", 131072), 32, 2),  # a chunk of 4 packs of 8 per loop body; a cluster of 2
+])
+def test_quantized_path_is_the_dynamic_e4m3fn_one(quantized_sm90, case, values, barriers):
+    """QUANT_VARIANT's branches only: every value divided by the row's dynamic scale and clamped to e4m3fn's range,
+    neither int8's nor e5m2's encoding on the path; codes 1 byte and input once per element."""
+    op, dtype, cols = case
+    function, plan = quantized_sm90[case]
+    figures = kernel_audit.analyze_row_path(function, SM90, plan, op, "forward_quant")
+    assert _path_ops(function, figures.path) == {"FCHK": values + 1, "448": values, "57344": 0, "F2I": 0}
+    assert figures.streams_found >= {"input", "weight", "codes", "row_scales"}
+    assert figures.barriers == barriers
+    elements = cols / plan["lanes"]
+    assert figures.element_bytes / elements == pytest.approx(kernel_audit.ELEMENT_BYTES[dtype] + 1)
