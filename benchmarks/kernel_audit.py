@@ -565,8 +565,7 @@ def long_backward_row(arch: Arch, sums_function: sass.Function, function: sass.F
     added, registers the larger, spills both, in-flight the smaller of the two."""
     n, vec = plan["cols"], plan["vec"]
     sums_plan = dict(plan, kernel=plan["sums_kernel"], lanes=256, threads=256, role="sums")  # kLongThreads per row
-    # Rows per iteration of the column pass (kLongPacks, backward_kernels.cuh): its loads of dy and saved come from
-    # one address computation, which the stream attribution may give to either.
+    # Rows per iteration of the column pass (kLongPacks, backward_kernels.cuh).
     rows_per_iteration = min(4, max(1, 32 // (ELEMENT_BYTES[dtype] * vec)))
     column_plan = dict(plan, lanes=plan["threads"], cols=vec * plan["threads"], once_per_row=1 / plan["group_rows"],
                        rows_per_iteration=rows_per_iteration, role="columns")
