@@ -114,7 +114,9 @@ fi
 step overhead 60 35 overhead.log "$PY" benchmarks/overhead.py --devices cuda --out "$OUT/overhead.md"
 
 # Quantized output (fused against norm + torch's quantize ops; codes checked equal first).
-step quant 45 150 quant.log "$PY" benchmarks/quantized.py --device cuda --repeats 20
+step quant 45 180 quant.log "$PY" benchmarks/quantized.py --device cuda --repeats 20
+# Strided rows (QK-norm on a qkv view, LayerNorm2d channels_last): in place against the copy paths.
+step strided 30 150 strided.log "$PY" benchmarks/strided.py --device cuda --repeats 20
 
 # ---- 5. benchmark: copy bandwidth C, ours vs ATen (Liger, Quack), M >= 8192 rows, decode sizes -----------------
 step bench 600 5 bench.log "$PY" benchmarks/bench.py --gpu-check --out "$OUT/bench.md"
@@ -134,6 +136,7 @@ step bench 600 5 bench.log "$PY" benchmarks/bench.py --gpu-check --out "$OUT/ben
   done
   [ -f "$OUT/overhead.md" ] && grep -E '^Worst|^\| cuda' "$OUT/overhead.md" | grep -E '1x8|Worst'
   [ -f "$OUT/quant.log" ] && grep -E '^copy|^\| [0-9]' "$OUT/quant.log"
+  [ -f "$OUT/strided.log" ] && grep -E '^\| (QK|Layer)' "$OUT/strided.log"
   if [ -f "$OUT/bench.md" ]; then
     grep -E '^- C = ' "$OUT/bench.md" | cut -c1-60
     sed -n '/^## Summary/,/^## /p' "$OUT/bench.md" | grep '^|'

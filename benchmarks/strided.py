@@ -2,11 +2,12 @@
 ours in place against the copy paths (ATen on the view, ours after .contiguous(), timm's permute + layer_norm);
 then LayerNorm2d on contiguous NCHW input, forward (no grad) and forward + backward: ours in place (the CPU's
 channels-first kernels) against ours on a channels_last copy (what the op did before them) and timm's path.
-CPU, one thread, the median of --repeats timings of one call, and the MB that one call's copies move beyond the
-norm's own reads and writes (copied_mb: every aten::copy_ the profiler records, those inside ATen's kernels
-included, each reading and writing its elements; a composite's intermediates are not counted).
+CPU, one thread, the median of --repeats timings of one call (CUDA: CUDA events, L2 flushed between calls,
+bench_timing.CudaTimer; the NCHW table is CPU only), and the MB that one call's copies move beyond the norm's own
+reads and writes (copied_mb: every aten::copy_ the profiler records, those inside ATen's kernels included, each
+reading and writing its elements; a composite's intermediates are not counted).
 
-    python benchmarks/strided.py [--repeats 30]
+    python benchmarks/strided.py [--repeats 30] [--device cuda]
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -46,30 +49,56 @@ def copied_mb(fn: Callable[[], object], element_size: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    print("| case | dtype | ours, strided (us) | ours on .contiguous() (us) | ATen (us) | MB copied: ours, strided "
-          "/ on .contiguous() / ATen |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_timing import CudaTimer  # noqa: PLC0415
+
+        timer = CudaTimer(device)
+
+        def time_us(fn: Callable[[], object]) -> float:
+            timer(fn, 3)
+            return statistics.median(timer(fn, args.repeats)) * 1e6
+    else:
+        torch.set_num_threads(1)
+
+        def time_us(fn: Callable[[], object]) -> float:
+            return median_us(fn, args.repeats)
+
+    print("| case | dtype | pass | ours, strided (us) | ours on .contiguous() (us) | ATen (us) | MB copied: ours, "
+          "strided / on .contiguous() / ATen |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     tokens, heads, head_dim = 2048, 32, 128
     for dtype in (torch.float32, torch.bfloat16):
-        qkv = torch.randn(tokens, 3 * heads * head_dim, dtype=dtype)
+        qkv = torch.randn(tokens, 3 * heads * head_dim, dtype=dtype, device=device)
         q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
-        w = torch.randn(head_dim, dtype=dtype)
-        calls: list[Callable[[], object]] = [
-            lambda: L.rms_norm(q, head_dim, w, 1e-6),
-            lambda: L.rms_norm(q.contiguous(), head_dim, w, 1e-6),
-            lambda: F.rms_norm(q, (head_dim,), w, 1e-6),
+        w = torch.randn(head_dim, dtype=dtype, device=device)
+        norms: list[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = [
+            lambda t, w: L.rms_norm(t, head_dim, w, 1e-6),
+            lambda t, w: L.rms_norm(t.contiguous(), head_dim, w, 1e-6),
+            lambda t, w: F.rms_norm(t, (head_dim,), w, 1e-6),
         ]
-        with torch.no_grad():
-            row = [median_us(call, args.repeats) for call in calls]
-            moved = " / ".join(f"{copied_mb(call, q.element_size()):.1f}" for call in calls)
-        print(f"| QK-norm q view [{tokens}, {heads}, {head_dim}] | {dtype} | " + " | ".join(f"{t:.0f}" for t in row)
-              + f" | {moved} |")  # fmt: skip
+        grad = torch.randn(q.shape, dtype=dtype, device=device)
+        leaves = [t.detach().requires_grad_() for t in (q, w)]
+        for name in ("forward", "forward + backward"):
+            if name == "forward":
+                calls = [lambda norm=norm: norm(q, w) for norm in norms]
+                with torch.no_grad():
+                    row = [time_us(call) for call in calls]
+                    moved = " / ".join(f"{copied_mb(call, q.element_size()):.1f}" for call in calls)
+            else:
+                calls = [lambda norm=norm: torch.autograd.grad(norm(*leaves), leaves, grad) for norm in norms]
+                row = [time_us(call) for call in calls]
+                moved = " / ".join(f"{copied_mb(call, q.element_size()):.1f}" for call in calls)
+            print(f"| QK-norm q view [{tokens}, {heads}, {head_dim}] | {dtype} | {name} | "
+                  + " | ".join(f"{t:.0f}" for t in row) + f" | {moved} |")  # fmt: skip
     n, c, h, wd = 8, 256, 56, 56
     for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(n, c, h, wd, dtype=dtype).contiguous(memory_format=torch.channels_last)
-        weight, bias = torch.randn(c, dtype=dtype), torch.randn(c, dtype=dtype)
+        x = torch.randn(n, c, h, wd, dtype=dtype, device=device).contiguous(memory_format=torch.channels_last)
+        weight = torch.randn(c, dtype=dtype, device=device)
+        bias = torch.randn(c, dtype=dtype, device=device)
 
         def timm() -> torch.Tensor:
             return F.layer_norm(x.permute(0, 2, 3, 1), (c,), weight, bias, 1e-6).permute(0, 3, 1, 2)
@@ -80,12 +109,13 @@ def main() -> None:
             timm,
         ]
         with torch.no_grad():
-            row = [median_us(call, args.repeats) for call in calls]
+            row = [time_us(call) for call in calls]
             moved = " / ".join(f"{copied_mb(call, x.element_size()):.1f}" for call in calls)
-        print(f"| LayerNorm2d channels_last [{n}, {c}, {h}, {wd}] | {dtype} | "
+        print(f"| LayerNorm2d channels_last [{n}, {c}, {h}, {wd}] | {dtype} | forward | "
               + " | ".join(f"{t:.0f}" for t in row) + f" | {moved} |")  # fmt: skip
 
-    nchw(args.repeats)
+    if device.type == "cpu":  # NCHW in place: the CPU's channels-first kernels only (CUDA copies it)
+        nchw(args.repeats)
 
 
 def nchw(repeats: int) -> None:

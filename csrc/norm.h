@@ -183,11 +183,14 @@ std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& grad_out, const Tensor& sa
                                         bool saved_is_output, const OptTensor& grad_residual_out,
                                         double weight_offset, BackwardLauncher launch);
 
-// For launchers whose kernels index packed rows only (the CUDA kernels, until they take row_layout.h's
-// layouts): runs launch on p with every operand whose rows are not packed copied into a contiguous tensor on
+// For launchers whose kernels take some of row_layout.h's layouts only (the CUDA kernels: strided rows on their
+// register paths, without a quantized output): launch(p) on p's own layouts; where it declines (returns false,
+// launching nothing), launch again with every operand whose rows are not packed copied into a contiguous tensor on
 // p's device first, and every such output written there and copied into place afterwards.
-void launch_on_packed_rows(const NormForwardParams& p, ForwardLauncher launch);
-void launch_on_packed_rows(const NormBackwardParams& p, BackwardLauncher launch);
+using TryForwardLauncher = bool (*)(const NormForwardParams&);
+using TryBackwardLauncher = bool (*)(const NormBackwardParams&);
+void launch_on_rows(const NormForwardParams& p, TryForwardLauncher launch);
+void launch_on_rows(const NormBackwardParams& p, TryBackwardLauncher launch);
 
 // ---- autograd (norm_autograd.cpp) ----
 // memory_efficient: whether a forward with these arguments may save its output for backward instead of its input,

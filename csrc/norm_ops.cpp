@@ -509,7 +509,7 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
 
 namespace {
 
-// The operands of one launch whose rows are not packed, swapped for contiguous tensors (launch_on_packed_rows).
+// The operands of one launch whose rows are not packed, swapped for contiguous tensors (launch_on_rows).
 class PackedRows {
  public:
   PackedRows(int device, int64_t rows, int64_t cols)
@@ -553,7 +553,8 @@ class PackedRows {
 
 }  // namespace
 
-void launch_on_packed_rows(const NormForwardParams& p, ForwardLauncher launch) {
+void launch_on_rows(const NormForwardParams& p, TryForwardLauncher launch) {
+  if (launch(p)) return;
   NormForwardParams packed = p;
   PackedRows rows(p.device, p.rows, p.cols);
   rows.read(packed.input, packed.input_rows, p.input_type);
@@ -566,17 +567,18 @@ void launch_on_packed_rows(const NormForwardParams& p, ForwardLauncher launch) {
     rows.write(packed.out, packed.out_rows, p.input_type);
   }
   rows.write(packed.residual_out, packed.residual_out_rows, p.h_type);
-  launch(packed);
+  TORCH_INTERNAL_ASSERT(launch(packed), "layernorm_ext: a launcher declined packed rows");
   rows.write_back();
 }
 
-void launch_on_packed_rows(const NormBackwardParams& p, BackwardLauncher launch) {
+void launch_on_rows(const NormBackwardParams& p, TryBackwardLauncher launch) {
+  if (launch(p)) return;
   NormBackwardParams packed = p;
   PackedRows rows(p.device, p.rows, p.cols);
   rows.read(packed.grad_out, packed.grad_out_rows, p.out_type);
   rows.read(packed.saved, packed.saved_rows, p.saved_type);
   rows.read(packed.grad_residual_out, packed.grad_residual_rows, p.saved_type);
-  launch(packed);
+  TORCH_INTERNAL_ASSERT(launch(packed), "layernorm_ext: a launcher declined packed rows");
 }
 
 OutputsUnread::OutputsUnread(bool statistics) : previous_(outputs_unread) {

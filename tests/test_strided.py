@@ -530,7 +530,8 @@ def test_replace_norms_on_channels_first_norms() -> None:
         assert_no_worse_than_aten(model(x), expected, reference, "replaced model")
 
 
-# ---- the CUDA kernels (host emulation): strided rows copied around them (csrc/norm_ops.cpp, launch_on_packed_rows) --
+# ---- the CUDA kernels (host emulation): strided rows in place on the register paths (StridedRows), copied around the
+# long paths and the quantized output (csrc/norm_ops.cpp, launch_on_rows) ------------------------------------------
 @pytest.fixture(scope="module")
 def emulated():  # noqa: ANN201 (the JIT-built module)
     from test_cuda_emulation import build_emulation
@@ -577,3 +578,129 @@ def test_emulated_cuda_kernels_on_strided_rows(emulated, layout: str, d: int, dt
                                                             False)  # fmt: skip
         _same_bits(x_view, expected_out, "in-place input")
         _same_bits(r_view, expected_h, "in-place residual")
+
+
+def _aligned_view(layout: str, d: int, dtype: torch.dtype, seed: int) -> Tensor:
+    """As _view, but a slice whose rows start on 16 bytes (x[..., 8 : 8 + d] of rows of d + 8) where d allows: the
+    kernels then take the rows in 16-byte packs, as they take their contiguous copy."""
+    if layout != "slice" or d % 8 != 0:
+        return _view(layout, d, dtype, seed)
+    torch.manual_seed(seed)
+    return torch.randn(*_lead(d), d + 8, dtype=dtype)[..., 8 : 8 + d]
+
+
+def _aligned_buffer_view(layout: str, d: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """As _buffer_view, with _aligned_view's slice."""
+    if layout != "slice" or d % 8 != 0:
+        return _buffer_view(layout, d, dtype)
+    storage = torch.full((*_lead(d), d + 8), float("nan"), dtype=dtype)
+    return storage, storage[..., 8 : 8 + d]
+
+
+@pytest.mark.parametrize("dtype", (F32, BF16), ids=str)
+@pytest.mark.parametrize("d", (64, 128, 769))
+@pytest.mark.parametrize("layout", ["qkv", "slice", "transposed", "expanded"])
+def test_emulated_register_paths_take_strided_rows_in_place(emulated, layout: str, d: int, dtype: torch.dtype) -> None:  # noqa: ANN001
+    """QK-norm's head_dim (64, 128) and an odd width (single elements): forward (into strided destinations too)
+    and backward with strided grad_out and saved, without a copy (the profiler), and the same bits as on the
+    contiguous copies. With a residual (forward or backward) the rows are copied (kernel variants left out), with
+    the same bits."""
+    x = _aligned_view(layout, d, dtype, seed=d)
+    residual = _aligned_view("qkv" if layout != "qkv" else "transposed", d, dtype, seed=d + 1)
+    weight, bias = _params(d, dtype, rms=False)
+    for args in ((None,), (residual,)):
+        fwd = lambda t, *r: emulated.layer_norm_fwd(t, [d], weight, bias, 1e-5, *r, False)  # noqa: E731
+        copies = _copies(lambda: fwd(x, *args))
+        assert (copies == []) == (args[0] is None), f"layer_norm_fwd residual={args[0] is not None}: {copies}"
+        expected = fwd(x.contiguous(), *(a if a is None else a.contiguous() for a in args))
+        for i, (a, b) in enumerate(zip(fwd(x, *args), expected)):
+            _same_bits(a, b, f"layer_norm_fwd result {i}")
+    _, _, mean, rstd = emulated.layer_norm_fwd(x.contiguous(), [d], weight, bias, 1e-5, None, False)
+    grad = _aligned_view("transposed" if layout != "transposed" else "qkv", d, dtype, seed=3)
+    bwd = lambda g, t, *r: emulated.layer_norm_bwd(g, t, mean, rstd, [d], weight, bias, False, *r)  # noqa: E731
+    assert _copies(lambda: bwd(grad, x, None)) == [], "layer_norm_bwd"
+    for r in (None, residual):
+        contiguous = bwd(grad.contiguous(), x.contiguous(), None if r is None else r.contiguous())
+        for i, (a, b) in enumerate(zip(bwd(grad, x, r), contiguous)):
+            _same_bits(a, b, f"layer_norm_bwd result {i}, grad_residual_out={r is not None}")
+    _, _, rms_rstd = emulated.rms_norm_fwd(x.contiguous(), [d], weight, EPS, None, False)
+    rms_bwd = lambda g, t: emulated.rms_norm_bwd(g, t, rms_rstd, [d], weight, False, None)  # noqa: E731
+    assert _copies(lambda: rms_bwd(grad, x)) == [], "rms_norm_bwd"
+    for i, (a, b) in enumerate(zip(rms_bwd(grad, x), rms_bwd(grad.contiguous(), x.contiguous()))):
+        _same_bits(a, b, f"rms_norm_bwd result {i}")
+    if layout in WRITABLE:
+        _, out_view = _aligned_buffer_view(layout, d, dtype)
+        assert _copies(lambda: emulated.rms_norm_into(x, [d], weight, EPS, out_view, None, None)) == [], "out="
+        _same_bits(out_view, emulated.rms_norm_fwd(x.contiguous(), [d], weight, EPS, None, False)[0], "out=")
+        _, x_view = _aligned_buffer_view(layout, d, dtype)
+        _, r_view = _buffer_view("qkv", d, dtype)
+        x_view.copy_(x)
+        r_view.copy_(residual)
+        emulated.add_rms_norm_(x_view, r_view, [d], weight, EPS)
+        expected_out, expected_h, _ = emulated.rms_norm_fwd(x.contiguous(), [d], weight, EPS, residual.contiguous(),
+                                                            False)  # fmt: skip
+        _same_bits(x_view, expected_out, "in-place input")
+        _same_bits(r_view, expected_h, "in-place residual")
+
+
+def test_emulated_strided_rows_copied_beyond_the_register_paths(emulated) -> None:  # noqa: ANN001
+    """What the CUDA kernels do not take in place is copied around them (launch_on_rows), with the same bits: rows
+    beyond the registers of a block (the long forward and backward) and the quantized output (and a residual, in
+    the test above)."""
+    d = 5125  # odd: single elements, beyond 512 lanes x 4
+    x = _view("qkv", d, F32, seed=0)
+    weight, bias = _params(d, F32, rms=False)
+    assert "aten::copy_" in _copies(lambda: emulated.layer_norm_fwd(x, [d], weight, bias, 1e-5, None, False))
+    out, _, mean, rstd = emulated.layer_norm_fwd(x, [d], weight, bias, 1e-5, None, False)
+    _same_bits(out, emulated.layer_norm_fwd(x.contiguous(), [d], weight, bias, 1e-5, None, False)[0], "long forward")
+    grad = _view("transposed", d, F32, seed=1)
+    bwd = lambda g, t: emulated.layer_norm_bwd(g, t, mean, rstd, [d], weight, bias, False, None)  # noqa: E731
+    assert "aten::copy_" in _copies(lambda: bwd(grad, x))
+    for i, (a, b) in enumerate(zip(bwd(grad, x), bwd(grad.contiguous(), x.contiguous()))):
+        _same_bits(a, b, f"long backward result {i}")
+    x = _view("qkv", 128, BF16, seed=2)
+    weight, _ = _params(128, BF16, rms=True)
+    quant = lambda t: emulated.rms_norm_quant(t, [128], weight, EPS, torch.int8, None, None, None)  # noqa: E731
+    assert "aten::copy_" in _copies(lambda: quant(x))
+    for i, (a, b) in enumerate(zip(quant(x), quant(x.contiguous()))):
+        _same_bits(a, b, f"quantized result {i}")
+
+
+def _on_cuda(v: Tensor) -> Tensor:
+    """v's whole storage on the GPU, viewed with v's sizes, strides and offset (v.cuda() makes a gapped view dense)."""
+    flat = torch.empty(0, dtype=v.dtype).set_(v.untyped_storage(), 0, (v.untyped_storage().nbytes() // v.element_size(),))
+    return flat.cuda().as_strided(v.shape, v.stride(), v.storage_offset())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", (F32, BF16), ids=str)
+@pytest.mark.parametrize("d", (64, 128, 769))
+@pytest.mark.parametrize("layout", ["qkv", "slice", "transposed", "expanded"])
+def test_cuda_register_paths_take_strided_rows_in_place(layout: str, d: int, dtype: torch.dtype) -> None:
+    """The emulated test above on a GPU, through the library's ops: QK-norm forward + backward on strided views, no
+    copy (the profiler), and the in-place residual add (copied), the same bits as on contiguous copies."""
+    x = _on_cuda(_aligned_view(layout, d, dtype, seed=d))
+    assert x.stride() == _aligned_view(layout, d, dtype, seed=d).stride()
+    weight = _params(d, dtype, rms=True)[0].cuda()
+
+    def run(t: Tensor) -> tuple[Tensor, ...]:
+        leaves = [t.detach().requires_grad_(), weight.detach().requires_grad_()]
+        out = L.rms_norm(leaves[0], d, leaves[1], EPS)
+        torch.manual_seed(7)
+        return (out, *torch.autograd.grad(out, leaves, torch.randn_like(out)))
+
+    assert _copies(lambda: run(x)) == []
+    for name, a, b in zip(("out", "grad_input", "grad_weight"), run(x), run(x.contiguous())):
+        _same_bits(a, b, name)
+    if layout in WRITABLE:
+        _, x_view = _aligned_buffer_view(layout, d, dtype)
+        _, r_view = _buffer_view("qkv", d, dtype)
+        x_view, r_view = _on_cuda(x_view), _on_cuda(r_view)
+        x_view.copy_(x)
+        r_view.normal_()
+        r = r_view.clone()
+        with torch.no_grad():
+            L.add_rms_norm_(x_view, r_view, d, weight, EPS)
+            out, h = L.add_rms_norm(x.contiguous(), r.contiguous(), d, weight, EPS)
+        _same_bits(x_view, out, "in-place input")
+        _same_bits(r_view, h, "in-place residual")

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "../row_layout.h"
 #include "kernel_common.cuh"
 
 namespace layernorm_ext {
@@ -37,6 +38,27 @@ struct BackwardArgs {
 };
 // The long path's rows' terms, [rows, 4] (mean, delta, mean_g, k), are a kernel argument of their own: one more
 // field in BackwardArgs made ptxas spill 8 bytes in backward_rows_kernel<float, ..., 4, 4> (sm_90).
+
+// Strided rows (issue 24, row_layout.h): grad_out's and saved's rows' layouts, in units (grad_input is packed).
+// Only the register path's kernel variant without grad_residual_out takes it, as an optional trailing parameter
+// (strided rows with one are copied); the packed variants index every operand at row * units.
+struct StridedGradRows {
+  RowLayout grad_out, saved;
+};
+
+// Where a row of each operand read begins, in units.
+struct GradRowUnits {
+  int64_t grad_out, saved, grad_residual_out;
+};
+template <typename A>
+__device__ __forceinline__ GradRowUnits grad_row_units(const BackwardArgs<A>& a, int64_t row) {
+  const int64_t packed = row * a.units;
+  return {packed, packed, packed};
+}
+template <typename A>
+__device__ __forceinline__ GradRowUnits grad_row_units(const BackwardArgs<A>& a, int64_t row, const StridedGradRows& s) {
+  return {s.grad_out.offset(row), s.saved.offset(row), row * a.units};
+}
 
 // The row sums of the backward: sum(g), sum(g * d) and, for LayerNorm, sum(d).
 template <typename A, bool kRms>
@@ -186,8 +208,9 @@ __device__ __forceinline__ void element_terms(const RawPack<Tg, kVec>& dy_raw, c
 template <typename A>
 constexpr size_t kClusterScratchBytes = 2 * sizeof(Sums<A, 3>) * (kMaxRowThreads / 32);
 
-template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual, bool kCluster>
-__device__ __forceinline__ void backward_rows(const BackwardArgs<acc_t<Ts>>& a) {
+template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual, bool kCluster,
+          typename... Strided>
+__device__ __forceinline__ void backward_rows(const BackwardArgs<acc_t<Ts>>& a, const Strided&... strided) {
   using A = acc_t<Ts>;
   using S = BackwardSums<A, kRms>;
   // The warps' sums, double-buffered by row parity; on a cluster in dynamic shared memory (kClusterScratchBytes),
@@ -229,14 +252,17 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs<acc_t<Ts>>& a) 
     bool valid[kPacks];
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) valid[p] = row_ok && lane_cols[p];
-    const int64_t first_unit = row * a.units + lane;
+    const int64_t first_unit = row * a.units + lane;  // grad_input's
+    const GradRowUnits at = grad_row_units(a, row, strided...);
     RawPack<Tg, kVec> dy_raw[kPacks];
     RawPack<Ts, kVec> saved_raw[kPacks];
     RawPack<Ts, kVec> extra_raw[kResidual ? kPacks : 1];
     RawPack<Tw, kVec> b_raw[kFromOutput && !kRms ? kPacks : 1];
-    load_packs<Tg, kVec, kPacks>(a.grad_out, first_unit, a.lanes, valid, dy_raw);
-    load_packs<Ts, kVec, kPacks>(a.saved, first_unit, a.lanes, valid, saved_raw);
-    if constexpr (kResidual) load_packs<Ts, kVec, kPacks>(a.grad_residual_out, first_unit, a.lanes, valid, extra_raw);
+    load_packs<Tg, kVec, kPacks>(a.grad_out, at.grad_out + lane, a.lanes, valid, dy_raw);
+    load_packs<Ts, kVec, kPacks>(a.saved, at.saved + lane, a.lanes, valid, saved_raw);
+    if constexpr (kResidual) {
+      load_packs<Ts, kVec, kPacks>(a.grad_residual_out, at.grad_residual_out + lane, a.lanes, valid, extra_raw);
+    }
     if constexpr (kFromOutput && !kRms) {
       bool has_bias[kPacks];
 #pragma unroll
@@ -295,10 +321,11 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs<acc_t<Ts>>& a) 
   if constexpr (kCluster) cluster_sync();  // no block leaves while the others may still read its scratch
 }
 
-template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual>
+// Strided: none (packed rows), or StridedGradRows.
+template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual, typename... Strided>
 __global__ void __launch_bounds__(kMaxRowThreads, kBackwardRowsMinBlocks)
-    backward_rows_kernel(BackwardArgs<acc_t<Ts>> a) {
-  backward_rows<Tg, Ts, Tw, kRms, kVec, kPacks, kResidual, false>(a);
+    backward_rows_kernel(BackwardArgs<acc_t<Ts>> a, Strided... strided) {
+  backward_rows<Tg, Ts, Tw, kRms, kVec, kPacks, kResidual, false>(a, strided...);
 }
 
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual>

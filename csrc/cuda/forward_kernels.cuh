@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "../quant_math.h"
+#include "../row_layout.h"
 #include "kernel_common.cuh"
 
 namespace layernorm_ext {
@@ -56,8 +57,32 @@ struct QuantArgs {
   bool swizzled = false;
 };
 
-// The kernels' optional QuantArgs parameter (a pack of none or one), unpacked where there is one.
+// Strided rows (issue 24, row_layout.h): input's and out's rows' layouts in units (kVec elements; the launcher
+// checks that the strides are whole units). Only the register path's kernel variant without a residual takes it, as
+// its optional trailing parameter in place of QuantArgs (strided rows with a residual or a quantized output are
+// copied): the packed variants index every operand at row * units, one product shared by all.
+struct StridedRows {
+  RowLayout input, out;
+};
+
+// The kernels' optional trailing parameter (a pack of none or one: QuantArgs or StridedRows), unpacked where there
+// is one.
 __device__ __forceinline__ const QuantArgs& quant_args(const QuantArgs& q) { return q; }
+
+// Where a row of each operand begins, in units (strided rows have no residual: theirs are unused).
+struct RowUnits {
+  int64_t input, residual, out, residual_out;
+};
+template <typename A, typename... Extra>
+__device__ __forceinline__ RowUnits row_units(const ForwardArgs<A>& a, int64_t row, const Extra&...) {
+  const int64_t packed = row * a.units;
+  return {packed, packed, packed, packed};
+}
+template <typename A>
+__device__ __forceinline__ RowUnits row_units(const ForwardArgs<A>& a, int64_t row, const StridedRows& s) {
+  const int64_t packed = row * a.units;
+  return {s.input.offset(row), packed, s.out.offset(row), packed};
+}
 
 // h for one pack: the input, or round_to_Th(input + residual) (written to residual_out), in the compute type.
 template <typename Tin, typename Th, typename A, int kVec>
@@ -119,14 +144,21 @@ __device__ __forceinline__ void normalize_pack(const ForwardArgs<A>& a, const A 
   }
 }
 
-// out for one pack.
+// out for one pack, at out's unit out_unit.
+template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
+__device__ __forceinline__ void normalize_store_at(const ForwardArgs<A>& a, int64_t out_unit, const A (&h)[kVec],
+                                                   const RowStats<A>& st, const AffinePack<Tw, kVec>& wb, bool cast) {
+  A y[kVec];
+  normalize_pack<Tin, Tw, kRms, A, kVec>(a, h, st, wb, cast, y);
+  store_pack<Tin, A, kVec>(a.out, out_unit, y);
+}
+
+// out for one pack of a packed row.
 template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
 __device__ __forceinline__ void normalize_store(const ForwardArgs<A>& a, int64_t row, int64_t col_unit,
                                                 const A (&h)[kVec], const RowStats<A>& st,
                                                 const AffinePack<Tw, kVec>& wb, bool cast) {
-  A y[kVec];
-  normalize_pack<Tin, Tw, kRms, A, kVec>(a, h, st, wb, cast, y);
-  store_pack<Tin, A, kVec>(a.out, row * a.units + col_unit, y);
+  normalize_store_at<Tin, Tw, kRms, A, kVec>(a, row * a.units + col_unit, h, st, wb, cast);
 }
 
 // One pack of the output as the unquantized op returns it (rounded to Tin), as float: what gets quantized.
@@ -310,10 +342,12 @@ constexpr bool residual_fits(ScalarType r) {
 }
 
 // h of a thread's packs with a residual of dtype Tr: x (loaded, not yet converted) + the residual, rounded to
-// Th and written to residual_out. The residual's loads are all issued before the first addition.
+// Th and written to residual_out. The residual's loads are all issued before the first addition. The thread's
+// first packs: the residual's unit first_unit, residual_out's first_out_unit.
 template <typename Tr, typename Tin, typename Th, typename A, int kVec, int kPacks>
-__device__ __forceinline__ void add_residual(const ForwardArgs<A>& a, int64_t first_unit, const bool (&valid)[kPacks],
-                                             const RawPack<Tin, kVec> (&x)[kPacks], A (&h)[kPacks][kVec]) {
+__device__ __forceinline__ void add_residual(const ForwardArgs<A>& a, int64_t first_unit, int64_t first_out_unit,
+                                             const bool (&valid)[kPacks], const RawPack<Tin, kVec> (&x)[kPacks],
+                                             A (&h)[kPacks][kVec]) {
   RawPack<Tr, kVec> r[kPacks];
   load_packs<Tr, kVec, kPacks>(a.residual, first_unit, a.lanes, valid, r);
 #pragma unroll
@@ -324,16 +358,17 @@ __device__ __forceinline__ void add_residual(const ForwardArgs<A>& a, int64_t fi
       rounded.v[j] = from_acc<Th>(raw_element<A>(x[p], j) + raw_element<A>(r[p], j));
       h[p][j] = to_acc<A>(rounded.v[j]);
     }
-    if (valid[p]) reinterpret_cast<Pack<Th, kVec>*>(a.residual_out)[first_unit + static_cast<int64_t>(p) * a.lanes] = rounded;
+    if (valid[p]) reinterpret_cast<Pack<Th, kVec>*>(a.residual_out)[first_out_unit + static_cast<int64_t>(p) * a.lanes] = rounded;
   }
 }
 
-// h of a thread's kPacks packs (units first_unit + p * a.lanes) from their input packs x, loaded raw: x itself, or
-// (kResidual) x + the residual rounded to Th and written to residual_out. The residual's dtype is dispatched
-// here, once for all the packs, outside their loops.
+// h of a thread's kPacks packs (the residual's units first_unit + p * a.lanes, residual_out's first_out_unit +
+// p * a.lanes) from their input packs x, loaded raw: x itself, or (kResidual) x + the residual rounded to Th and
+// written to residual_out. The residual's dtype is dispatched here, once for all the packs, outside their loops.
 template <typename Tin, typename Th, typename A, int kVec, int kPacks, bool kResidual>
-__device__ __forceinline__ void h_of_packs(const ForwardArgs<A>& a, int64_t first_unit, const bool (&valid)[kPacks],
-                                           const RawPack<Tin, kVec> (&x)[kPacks], A (&h)[kPacks][kVec]) {
+__device__ __forceinline__ void h_of_packs(const ForwardArgs<A>& a, int64_t first_unit, int64_t first_out_unit,
+                                           const bool (&valid)[kPacks], const RawPack<Tin, kVec> (&x)[kPacks],
+                                           A (&h)[kPacks][kVec]) {
   if constexpr (!kResidual) {
 #pragma unroll
     for (int p = 0; p < kPacks; ++p)
@@ -343,18 +378,18 @@ __device__ __forceinline__ void h_of_packs(const ForwardArgs<A>& a, int64_t firs
     // Only the residual dtypes that promote with the input to Th (residual_fits, asserted by the launcher).
     switch (a.residual_type) {
       case ScalarType::Double:
-        if constexpr (residual_fits<Th>(ScalarType::Double)) add_residual<double, Tin, Th, A, kVec, kPacks>(a, first_unit, valid, x, h);
+        if constexpr (residual_fits<Th>(ScalarType::Double)) add_residual<double, Tin, Th, A, kVec, kPacks>(a, first_unit, first_out_unit, valid, x, h);
         break;
       case ScalarType::Half:
-        if constexpr (residual_fits<Th>(ScalarType::Half)) add_residual<__half, Tin, Th, A, kVec, kPacks>(a, first_unit, valid, x, h);
+        if constexpr (residual_fits<Th>(ScalarType::Half)) add_residual<__half, Tin, Th, A, kVec, kPacks>(a, first_unit, first_out_unit, valid, x, h);
         break;
       case ScalarType::BFloat16:
         if constexpr (residual_fits<Th>(ScalarType::BFloat16)) {
-          add_residual<__nv_bfloat16, Tin, Th, A, kVec, kPacks>(a, first_unit, valid, x, h);
+          add_residual<__nv_bfloat16, Tin, Th, A, kVec, kPacks>(a, first_unit, first_out_unit, valid, x, h);
         }
         break;
       default:
-        if constexpr (residual_fits<Th>(ScalarType::Float)) add_residual<float, Tin, Th, A, kVec, kPacks>(a, first_unit, valid, x, h);
+        if constexpr (residual_fits<Th>(ScalarType::Float)) add_residual<float, Tin, Th, A, kVec, kPacks>(a, first_unit, first_out_unit, valid, x, h);
         break;
     }
   }
@@ -390,13 +425,14 @@ constexpr bool early_affine() {
 // computes its output values twice from the registers, folding their absmax (all-reduced over the row) for a
 // dynamic scale, then stores codes.
 // kResidual (a.residual given) is a compile-time flag: the kernel without one keeps no registers for the
-// residual's packs and no branch on it. Occupancy: one block of kMaxRowThreads per SM at least (128 registers);
+// residual's packs and no branch on it. Extra: none (packed rows), QuantArgs, or StridedRows (input's and out's rows
+// each at its own offset; no residual, no quantized output). Occupancy: one block of kMaxRowThreads per SM at least (128 registers);
 // two (64 registers) spilled 236 bytes in the bfloat16 RMSNorm kernel.
-template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual, typename... Quant>
+template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual, typename... Extra>
 __global__ void __launch_bounds__(kMaxRowThreads, 1)
-    forward_rows_kernel(ForwardArgs<acc_t<Th>> a, Quant... quant) {
+    forward_rows_kernel(ForwardArgs<acc_t<Th>> a, Extra... extra) {
   using A = acc_t<Th>;
-  constexpr bool kQuant = sizeof...(Quant) == 1;
+  constexpr bool kQuant = (std::is_same_v<Extra, QuantArgs> || ...);
   constexpr bool kDouble = std::is_same_v<A, double>;
   // A row of several warps: the warps' states in the compute type (double-buffered by row parity), and in
   // double for a row whose float statistics overflowed (one buffer: the next row's first barrier separates its
@@ -433,9 +469,9 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
     bool valid[kPacks];  // this lane's packs of the row (absent ones are zeros)
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) valid[p] = row_ok && p * a.lanes + lane < a.units;
-    const int64_t first_unit = row * a.units + lane;
+    const RowUnits at = row_units(a, row, extra...);
     RawPack<Tin, kVec> x[kPacks];
-    load_packs<Tin, kVec, kPacks>(a.input, first_unit, a.lanes, valid, x);
+    load_packs<Tin, kVec, kPacks>(a.input, at.input + lane, a.lanes, valid, x);
     // The weight is needed only after the statistics: loaded now where the registers allow, its latency hidden
     // behind the row's and the reduction's.
     AffinePack<Tw, kVec> wb[kEarlyAffine ? kPacks : 1];
@@ -447,7 +483,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
       }
     }
     A h[kPacks][kVec];
-    h_of_packs<Tin, Th, A, kVec, kPacks, kResidual>(a, first_unit, valid, x, h);
+    h_of_packs<Tin, Th, A, kVec, kPacks, kResidual>(a, at.residual + lane, at.residual_out + lane, valid, x, h);
     A shift = A(0);
     if constexpr (!kRms) {
       A sum = A(0);  // absent packs are zeros
@@ -576,13 +612,13 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
       for (int p = 0; p < kPacks; ++p) {
         if (valid[p]) {
           const int col_unit = p * a.lanes + lane;  // < units: an int
-          normalize_store<Tin, Tw, kRms, A, kVec>(a, row, col_unit, h[p], st, affine(p), a.cast_before_weight);
+          normalize_store_at<Tin, Tw, kRms, A, kVec>(a, at.out + col_unit, h[p], st, affine(p), a.cast_before_weight);
         }
       }
-    } else if (quant_args(quant...).group_units > 0) {
+    } else if (quant_args(extra...).group_units > 0) {
       // Per group: each pack's absmax, all-reduced over the lanes of its group (in a sub-warp row whose groups are
       // wider than its lanes, then over the lane's packs of the group), then its codes from the registers again.
-      const QuantArgs& q = quant_args(quant...);
+      const QuantArgs& q = quant_args(extra...);
       const int group_lanes = q.group_units < a.lanes ? q.group_units : a.lanes;
       const int group_packs = group_lanes > 32 ? 1 : q.group_units / group_lanes;  // > 1: folded over packs
       const GlobalScale global = nvfp4_global_scale(q);
@@ -639,7 +675,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
       // Quantized output: the output values twice from the registers, for the absmax (dynamic scale), then
       // for the codes.
       __shared__ AbsMax absmax_scratch[kMaxRowThreads / 32];
-      const QuantArgs& q = quant_args(quant...);
+      const QuantArgs& q = quant_args(extra...);
       float absmax = 0.0f;
       if (q.scale == nullptr) {
 #pragma unroll
@@ -773,8 +809,8 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       RawPack<Tin, kVec> x[kChunk];
       load_packs<Tin, kVec, kChunk>(a.input, row_unit + first, lanes, valid, x);
       A h[kChunk][kVec];
-      if (a.residual != nullptr) h_of_packs<Tin, Th, A, kVec, kChunk, true>(a, row_unit + first, valid, x, h);
-      else h_of_packs<Tin, Th, A, kVec, kChunk, false>(a, row_unit + first, valid, x, h);
+      if (a.residual != nullptr) h_of_packs<Tin, Th, A, kVec, kChunk, true>(a, row_unit + first, row_unit + first, valid, x, h);
+      else h_of_packs<Tin, Th, A, kVec, kChunk, false>(a, row_unit + first, row_unit + first, valid, x, h);
       if (staged) {
 #pragma unroll
         for (int p = 0; p < kChunk; ++p) {

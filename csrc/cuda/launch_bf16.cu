@@ -5,8 +5,8 @@
 namespace layernorm_ext {
 namespace cuda {
 
-void forward_bf16(const NormForwardParams& p) { forward_for_input<__nv_bfloat16>(p); }
-void backward_bf16(const NormBackwardParams& p) { backward_for_grad<__nv_bfloat16>(p); }
+bool forward_bf16(const NormForwardParams& p) { return forward_for_input<__nv_bfloat16>(p); }
+bool backward_bf16(const NormBackwardParams& p) { return backward_for_grad<__nv_bfloat16>(p); }
 LaunchPlan plan_bf16(const PlanQuery& query) { return plan_for_input<__nv_bfloat16>(query); }
 
 }  // namespace cuda

@@ -5,8 +5,8 @@
 namespace layernorm_ext {
 namespace cuda {
 
-void forward_f16(const NormForwardParams& p) { forward_for_input<__half>(p); }
-void backward_f16(const NormBackwardParams& p) { backward_for_grad<__half>(p); }
+bool forward_f16(const NormForwardParams& p) { return forward_for_input<__half>(p); }
+bool backward_f16(const NormBackwardParams& p) { return backward_for_grad<__half>(p); }
 LaunchPlan plan_f16(const PlanQuery& query) { return plan_for_input<__half>(query); }
 
 }  // namespace cuda

@@ -5,8 +5,8 @@
 namespace layernorm_ext {
 namespace cuda {
 
-void forward_f32(const NormForwardParams& p) { forward_for_input<float>(p); }
-void backward_f32(const NormBackwardParams& p) { backward_for_grad<float>(p); }
+bool forward_f32(const NormForwardParams& p) { return forward_for_input<float>(p); }
+bool backward_f32(const NormBackwardParams& p) { return backward_for_grad<float>(p); }
 LaunchPlan plan_f32(const PlanQuery& query) { return plan_for_input<float>(query); }
 
 }  // namespace cuda

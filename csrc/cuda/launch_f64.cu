@@ -5,8 +5,8 @@
 namespace layernorm_ext {
 namespace cuda {
 
-void forward_f64(const NormForwardParams& p) { forward_for_input<double>(p); }
-void backward_f64(const NormBackwardParams& p) { backward_for_grad<double>(p); }
+bool forward_f64(const NormForwardParams& p) { return forward_for_input<double>(p); }
+bool backward_f64(const NormBackwardParams& p) { return backward_for_grad<double>(p); }
 LaunchPlan plan_f64(const PlanQuery& query) { return plan_for_input<double>(query); }
 
 }  // namespace cuda

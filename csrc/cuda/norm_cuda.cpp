@@ -11,18 +11,19 @@
 namespace layernorm_ext {
 namespace cuda {
 
-void forward_f32(const NormForwardParams& p);
-void forward_f64(const NormForwardParams& p);
-void forward_f16(const NormForwardParams& p);
-void forward_bf16(const NormForwardParams& p);
-void backward_f32(const NormBackwardParams& p);
-void backward_f64(const NormBackwardParams& p);
-void backward_f16(const NormBackwardParams& p);
-void backward_bf16(const NormBackwardParams& p);
+// Each returns false, launching nothing, where its kernels do not take the call's rows' layouts (norm_kernels.cuh).
+bool forward_f32(const NormForwardParams& p);
+bool forward_f64(const NormForwardParams& p);
+bool forward_f16(const NormForwardParams& p);
+bool forward_bf16(const NormForwardParams& p);
+bool backward_f32(const NormBackwardParams& p);
+bool backward_f64(const NormBackwardParams& p);
+bool backward_f16(const NormBackwardParams& p);
+bool backward_bf16(const NormBackwardParams& p);
 
 namespace {
 
-void forward_on_packed_rows(const NormForwardParams& p) {
+bool forward_on_rows(const NormForwardParams& p) {
   switch (p.input_type) {
     case ScalarType::Float: return forward_f32(p);
     case ScalarType::Double: return forward_f64(p);
@@ -32,7 +33,7 @@ void forward_on_packed_rows(const NormForwardParams& p) {
   }
 }
 
-void backward_on_packed_rows(const NormBackwardParams& p) {
+bool backward_on_rows(const NormBackwardParams& p) {
   switch (p.out_type) {
     case ScalarType::Float: return backward_f32(p);
     case ScalarType::Double: return backward_f64(p);
@@ -44,15 +45,15 @@ void backward_on_packed_rows(const NormBackwardParams& p) {
 
 }  // namespace
 
-// The kernels index packed rows only for now (issue 24): strided rows are copied around them.
+// Strided rows in place on the register paths; elsewhere (long rows, quantized output) copied around the kernels.
 void forward(const NormForwardParams& p) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device));
-  launch_on_packed_rows(p, forward_on_packed_rows);
+  launch_on_rows(p, forward_on_rows);
 }
 
 void backward(const NormBackwardParams& p) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device));
-  launch_on_packed_rows(p, backward_on_packed_rows);
+  launch_on_rows(p, backward_on_rows);
 }
 
 // The input's device's stream, not the current device's: a call on cuda:1 while cuda:0 is current and capturing

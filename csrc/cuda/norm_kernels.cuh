@@ -110,6 +110,17 @@ inline bool aligned(const void* p, size_t bytes) {
   return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
+// A layout in elements as one in units of kVec elements (every row then starts on a unit), where its strides are
+// whole units.
+template <int kVec>
+bool whole_units(const RowLayout& layout) {
+  return layout.outer_stride % kVec == 0 && (layout.inner == 1 || layout.inner_stride % kVec == 0);
+}
+template <int kVec>
+RowLayout in_units(const RowLayout& layout) {
+  return RowLayout{layout.inner, layout.inner_stride / kVec, layout.outer_stride / kVec};
+}
+
 inline int device_attribute(cudaDeviceAttr attr) {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
@@ -230,9 +241,13 @@ LaunchPlan plan_forward_vec(int64_t rows, int64_t cols, const DeviceLimits& devi
   return plan;
 }
 
+// Returns false, launching nothing, for strided rows (p's layouts not all packed: the caller copies them) that the
+// register path does not take: rows beyond its registers, a residual or a quantized output (variants left out so
+// that the build, in CI on 2 cores, does not grow by their instances).
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, bool kQuant>
-void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
+bool launch_forward_vec(const NormForwardParams& p, bool strided, cudaStream_t stream) {
   using A = acc_t<Th>;
+  if (strided && (kQuant || p.residual != nullptr)) return false;
   ForwardArgs<A> a;
   a.input = p.input;
   a.residual = p.residual;
@@ -271,6 +286,7 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
                         "layernorm_ext: a residual dtype that does not promote to the rows' dtype");
   constexpr int kMax = max_packs<A, kVec>(false);
   const LaunchPlan plan = plan_forward_vec<Tin, Th, Tw, kRms, kVec, kQuant>(p.rows, p.cols, current_device_limits());
+  if (strided && plan.packs == 0) return false;
   a.lanes = plan.lanes;
   a.rows_per_block = plan.rows_per_block;
   const unsigned grid = static_cast<unsigned>(plan.grid);
@@ -281,6 +297,12 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
       if constexpr (kQuant) {
         auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, kResidual, QuantArgs>;
         LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, q);
+      } else if (strided) {
+        if constexpr (!kResidual) {
+          const StridedRows rows{in_units<kVec>(p.input_rows), in_units<kVec>(p.out_rows)};
+          auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, false, StridedRows>;
+          LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, rows);
+        }
       } else {
         auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, kResidual>;
         LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a);
@@ -310,6 +332,7 @@ void launch_forward_vec(const NormForwardParams& p, cudaStream_t stream) {
     }
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
 }
 
 // Elements per 16-byte pack of T (at most 8).
@@ -337,23 +360,29 @@ void with_variant(bool rms, bool vectorized, F&& f) {
 }
 
 template <typename Tin, typename Th, typename Tw>
-void launch_forward(const NormForwardParams& p) {
+bool launch_forward(const NormForwardParams& p) {
   constexpr int kVec = pack_width<Tin>();
+  const int64_t out_cols = p.quant_type == ScalarType::Float4_e2m1fn_x2 && p.codes != nullptr ? p.cols / 2 : p.cols;
+  const bool strided = !p.input_rows.is_packed(p.cols) || !p.out_rows.is_packed(out_cols) ||
+                       (p.residual != nullptr &&
+                        (!p.residual_rows.is_packed(p.cols) || !p.residual_out_rows.is_packed(p.cols)));
   const bool vectorized = p.cols % kVec == 0 && pack_aligned<kVec>(p.input, sizeof(Tin)) &&
                           pack_aligned<kVec>(p.out, sizeof(Tin)) && pack_aligned<kVec>(p.weight, sizeof(Tw)) &&
                           pack_aligned<kVec>(p.bias, sizeof(Tw)) &&
                           pack_aligned<kVec>(p.residual, c10::elementSize(p.residual_type)) &&
                           pack_aligned<kVec>(p.residual_out, sizeof(Th)) && pack_aligned<kVec>(p.codes, 1) &&
-                          p.group_size % kVec == 0;  // a pack in one group (of a power of two: any kVec divides it)
+                          p.group_size % kVec == 0 &&  // a pack in one group (of a power of two: any kVec divides it)
+                          (!strided || (whole_units<kVec>(p.input_rows) && whole_units<kVec>(p.out_rows)));
   // Quantized output is a kernel variant of its own (kQuant), so that the plain kernels' registers are not
   // sized for its extra pass.
+  bool launched = false;
   with_variant<kVec>(p.rms, vectorized, [&](auto rms, auto width) {
-    if (p.codes != nullptr) {
-      launch_forward_vec<Tin, Th, Tw, decltype(rms)::value, decltype(width)::value, true>(p, current_stream());
-    } else {
-      launch_forward_vec<Tin, Th, Tw, decltype(rms)::value, decltype(width)::value, false>(p, current_stream());
-    }
+    constexpr bool kRms = decltype(rms)::value;
+    constexpr int kWidth = decltype(width)::value;
+    if (p.codes != nullptr) launched = launch_forward_vec<Tin, Th, Tw, kRms, kWidth, true>(p, strided, current_stream());
+    else launched = launch_forward_vec<Tin, Th, Tw, kRms, kWidth, false>(p, strided, current_stream());
   });
+  return launched;
 }
 
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec>
@@ -429,8 +458,10 @@ LaunchPlan plan_backward_vec(int64_t rows, int64_t cols, const DeviceLimits& dev
   return plan;
 }
 
+// Returns false, launching nothing, for strided rows that the register path does not take (rows beyond one block's
+// registers, or with grad_residual_out): the caller copies them.
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec>
-void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
+bool launch_backward_vec(const NormBackwardParams& p, bool strided, cudaStream_t stream) {
   using A = acc_t<Ts>;
   BackwardArgs<A> a;
   a.grad_out = p.grad_out;
@@ -450,6 +481,7 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
   constexpr int kMax = max_packs<A, kVec>(true);
   const LaunchPlan plan = plan_backward_vec<Tg, Ts, Tw, kRms, kVec>(p.rows, p.cols, current_device_limits());
   const bool long_path = plan.packs == 0;
+  if (strided && (long_path || plan.cluster > 1 || p.grad_residual_out != nullptr)) return false;
   a.lanes = plan.lanes;
   a.rows_per_block = long_path ? static_cast<int>(plan.group_rows) : plan.rows_per_block;
   const int64_t grid = plan.grid;
@@ -491,6 +523,12 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
         } else {
           TORCH_INTERNAL_ASSERT(false, "backward plan on clusters with ", kPacks, " packs per lane: no such kernel");
         }
+      } else if (strided) {
+        if constexpr (!kResidual) {
+          const StridedGradRows rows{in_units<kVec>(p.grad_out_rows), in_units<kVec>(p.saved_rows)};
+          auto kernel = backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, kPacks, false, StridedGradRows>;
+          LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, smem, stream)(a, rows);
+        }
       } else {
         auto kernel = backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, kPacks, kResidual>;
         LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, smem, stream)(a);
@@ -524,18 +562,24 @@ void launch_backward_vec(const NormBackwardParams& p, cudaStream_t stream) {
     LNX_LAUNCH(reduce, reduce_grid, reduce_block, 0, stream)(a.partial_dbias, p.grad_bias, parts, p.cols);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+  return true;
 }
 
 template <typename Tg, typename Ts, typename Tw>
-void launch_backward(const NormBackwardParams& p) {
+bool launch_backward(const NormBackwardParams& p) {
   constexpr int kVec = pack_width<Tg>();
+  const bool strided = !p.grad_out_rows.is_packed(p.cols) || !p.saved_rows.is_packed(p.cols) ||
+                       (p.grad_residual_out != nullptr && !p.grad_residual_rows.is_packed(p.cols));
   const bool vectorized = p.cols % kVec == 0 && pack_aligned<kVec>(p.grad_out, sizeof(Tg)) &&
                           pack_aligned<kVec>(p.saved, sizeof(Ts)) && pack_aligned<kVec>(p.grad_input, sizeof(Ts)) &&
                           pack_aligned<kVec>(p.grad_residual_out, sizeof(Ts)) &&
-                          pack_aligned<kVec>(p.weight, sizeof(Tw)) && pack_aligned<kVec>(p.bias, sizeof(Tw));
+                          pack_aligned<kVec>(p.weight, sizeof(Tw)) && pack_aligned<kVec>(p.bias, sizeof(Tw)) &&
+                          (!strided || (whole_units<kVec>(p.grad_out_rows) && whole_units<kVec>(p.saved_rows)));
+  bool launched = false;
   with_variant<kVec>(p.rms, vectorized, [&](auto rms, auto width) {
-    launch_backward_vec<Tg, Ts, Tw, decltype(rms)::value, decltype(width)::value>(p, current_stream());
+    launched = launch_backward_vec<Tg, Ts, Tw, decltype(rms)::value, decltype(width)::value>(p, strided, current_stream());
   });
+  return launched;
 }
 
 // ---- dtype dispatch --------------------------------------------------------------------------------------
@@ -568,21 +612,27 @@ void dispatch_row_and_param_types(ScalarType row_type, ScalarType param_type, F&
   }
 }
 
+// Launches p on its rows' layouts; returns false, launching nothing, where the kernels do not take them (strided
+// rows beyond the register path, or with a quantized output: launch_on_rows copies them).
 template <typename Tin>
-void forward_for_input(const NormForwardParams& p) {
+bool forward_for_input(const NormForwardParams& p) {
   // Channels-first rows have CPU kernels only (norm_ops.cpp routes CUDA inputs through copies): never ignored here.
   TORCH_CHECK(p.plane == 0, "layernorm_ext: channels-first rows have no CUDA kernel");
+  bool launched = false;
   dispatch_row_and_param_types<Tin>(p.h_type, p.weight_type, [&](auto h_tag, auto w_tag) {
-    launch_forward<Tin, typename decltype(h_tag)::type, typename decltype(w_tag)::type>(p);
+    launched = launch_forward<Tin, typename decltype(h_tag)::type, typename decltype(w_tag)::type>(p);
   });
+  return launched;
 }
 
 template <typename Tg>
-void backward_for_grad(const NormBackwardParams& p) {
+bool backward_for_grad(const NormBackwardParams& p) {
   TORCH_CHECK(p.plane == 0, "layernorm_ext: channels-first rows have no CUDA kernel");
+  bool launched = false;
   dispatch_row_and_param_types<Tg>(p.saved_type, p.weight_type, [&](auto s_tag, auto w_tag) {
-    launch_backward<Tg, typename decltype(s_tag)::type, typename decltype(w_tag)::type>(p);
+    launched = launch_backward<Tg, typename decltype(s_tag)::type, typename decltype(w_tag)::type>(p);
   });
+  return launched;
 }
 
 // The plan of a call described by `query` (launch_plan.h), through the launchers' own dispatch; the device's

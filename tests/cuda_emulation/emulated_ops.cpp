@@ -15,7 +15,7 @@ using layernorm_ext::OptTensor;
 using layernorm_ext::Tensor;
 namespace cuda = layernorm_ext::cuda;
 
-void forward_on_packed_rows(const NormForwardParams& p) {
+bool forward_on_rows(const NormForwardParams& p) {
   switch (p.input_type) {
     case at::kFloat: return cuda::forward_for_input<float>(p);
     case at::kDouble: return cuda::forward_for_input<double>(p);
@@ -25,7 +25,7 @@ void forward_on_packed_rows(const NormForwardParams& p) {
   }
 }
 
-void backward_on_packed_rows(const NormBackwardParams& p) {
+bool backward_on_rows(const NormBackwardParams& p) {
   switch (p.out_type) {
     case at::kFloat: return cuda::backward_for_grad<float>(p);
     case at::kDouble: return cuda::backward_for_grad<double>(p);
@@ -35,9 +35,9 @@ void backward_on_packed_rows(const NormBackwardParams& p) {
   }
 }
 
-// As csrc/cuda/norm_cuda.cpp: the kernels index packed rows only, strided rows are copied around them.
-void forward(const NormForwardParams& p) { layernorm_ext::launch_on_packed_rows(p, forward_on_packed_rows); }
-void backward(const NormBackwardParams& p) { layernorm_ext::launch_on_packed_rows(p, backward_on_packed_rows); }
+// As csrc/cuda/norm_cuda.cpp: strided rows in place where the kernels take them, else copied around them.
+void forward(const NormForwardParams& p) { layernorm_ext::launch_on_rows(p, forward_on_rows); }
+void backward(const NormBackwardParams& p) { layernorm_ext::launch_on_rows(p, backward_on_rows); }
 
 c10::SymIntArrayRef sym(const std::vector<int64_t>& shape) {
   return c10::fromIntArrayRefSlow(at::IntArrayRef(shape));
