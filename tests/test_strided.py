@@ -604,7 +604,7 @@ def test_emulated_register_paths_take_strided_rows_in_place(emulated, layout: st
     """QK-norm's head_dim (64, 128) and an odd width (single elements): forward (into strided destinations too)
     and backward with strided grad_out and saved, without a copy (the profiler), and the same bits as on the
     contiguous copies. With a residual (forward or backward) the rows are copied (kernel variants left out), with
-    the same bits."""
+    the same bits (in place: the test above)."""
     x = _aligned_view(layout, d, dtype, seed=d)
     residual = _aligned_view("qkv" if layout != "qkv" else "transposed", d, dtype, seed=d + 1)
     weight, bias = _params(d, dtype, rms=False)
@@ -632,15 +632,6 @@ def test_emulated_register_paths_take_strided_rows_in_place(emulated, layout: st
         _, out_view = _aligned_buffer_view(layout, d, dtype)
         assert _copies(lambda: emulated.rms_norm_into(x, [d], weight, EPS, out_view, None, None)) == [], "out="
         _same_bits(out_view, emulated.rms_norm_fwd(x.contiguous(), [d], weight, EPS, None, False)[0], "out=")
-        _, x_view = _aligned_buffer_view(layout, d, dtype)
-        _, r_view = _buffer_view("qkv", d, dtype)
-        x_view.copy_(x)
-        r_view.copy_(residual)
-        emulated.add_rms_norm_(x_view, r_view, [d], weight, EPS)
-        expected_out, expected_h, _ = emulated.rms_norm_fwd(x.contiguous(), [d], weight, EPS, residual.contiguous(),
-                                                            False)  # fmt: skip
-        _same_bits(x_view, expected_out, "in-place input")
-        _same_bits(r_view, expected_h, "in-place residual")
 
 
 def test_emulated_strided_rows_copied_beyond_the_register_paths(emulated) -> None:  # noqa: ANN001
