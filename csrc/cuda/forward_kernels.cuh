@@ -58,9 +58,9 @@ struct QuantArgs {
 };
 
 // Strided rows (issue 24, row_layout.h): input's and out's rows' layouts in units (kVec elements; the launcher
-// checks that the strides are whole units). Only the register path's kernel variant without a residual takes it, as
-// its optional trailing parameter in place of QuantArgs (strided rows with a residual or a quantized output are
-// copied): the packed variants index every operand at row * units, one product shared by all.
+// checks that the strides are whole units). Only the register path's kernel variant without a residual (h of the
+// input's dtype) takes it, as its optional trailing parameter in place of QuantArgs (strided rows with a residual or
+// a quantized output are copied): the packed variants index every operand at row * units, one product shared by all.
 struct StridedRows {
   RowLayout input, out;
 };
