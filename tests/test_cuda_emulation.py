@@ -157,11 +157,15 @@ def _specs() -> list[Spec]:
         for dtype, wdtype in DTYPES
         if not (dtype == F64 and n > 4096)
     ]
-    specs += [  # residuals: same dtype, float32 rows for half input (both ways), float64 rows for float32 input
+    # residuals: same dtype, float32 rows for half input (both ways), float64 rows for float32 and bfloat16 input
+    # (widened rows: single elements, one pack per lane, the long kernels beyond 512 elements)
+    specs += [
         _spec(fn, (_rows(n),), (n,), dtype=dtype, wdtype=dtype, rdtype=rdtype, in_fp32=in_fp32)
         for n in (8, 769, 4096, 20000)
         for fn in ("add_layer_norm", "add_rms_norm")
-        for dtype, rdtype, in_fp32 in ((BF16, BF16, False), (BF16, BF16, True), (F16, F32, False), (F32, F64, False))
+        for dtype, rdtype, in_fp32 in (
+            (BF16, BF16, False), (BF16, BF16, True), (F16, F32, False), (F32, F64, False), (BF16, F64, False)
+        )
     ]
     specs += [  # affine modes, memory_efficient (xhat from the output), multi-dim normalized shape
         _spec("layer_norm", (_rows(n),), (n,), affine=affine)
@@ -424,6 +428,47 @@ def test_emulated_quantized_output(emulated: ModuleType, rms: bool, dtype: torch
                 _same_bits(scales, want_scales, f"scales, {what}")
                 assert torch.isnan(scales[0]).all(), what
             _same_bits(got_h, h, f"residual_out, {what}")
+
+
+@pytest.mark.parametrize("n", [7, 512, 769, 4096])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_emulated_widened_rows_quantized_output(emulated: ModuleType, rms: bool, n: int) -> None:
+    """A float64 residual with bfloat16 input (float64 rows, widened: single elements, one pack per lane, the long
+    kernels beyond 512 elements): per-row e4m3, per-group fp8 and NVFP4 codes and scales are the composite of the
+    emulated forward's own output, bit for bit."""
+    from test_quantized import _same_bits, reference_quant
+
+    gen = torch.Generator().manual_seed(n + 2)
+    m = _rows(n)
+    x = (torch.randn(m, n, generator=gen) * 2 + 0.3).to(BF16)
+    r = torch.randn(m, n, generator=gen, dtype=F64)
+    w = (torch.randn(n, generator=gen) * 0.5 + 1).to(BF16)
+    b = (torch.randn(n, generator=gen) * 0.2).to(BF16)
+    y, h = (emulated.rms_norm_fwd(x, [n], w, 1e-6, r, False)[:2] if rms
+            else emulated.layer_norm_fwd(x, [n], w, b, 1e-5, r, False)[:2])  # fmt: skip
+    assert h.dtype == F64
+    for backward in (False, True):
+        plan = emulated.launch_plan(rms, backward, BF16, F64, BF16, m, n)
+        assert plan["vec"] == 1 and plan["packs"] == (1 if n <= 512 else 0), plan
+    for fmt, group_size in (("per-row", 0), ("fp8", 32 if n % 32 == 0 else 1), ("nvfp4", 16)):
+        if fmt == "nvfp4" and n % 16:
+            continue
+        kw = {"quant_dtype": torch.float8_e4m3fn} if fmt == "per-row" else _group_call(fmt, group_size, y)
+        scale = kw.pop("scale", None)
+        if rms:
+            codes, scales, got_h = emulated.rms_norm_quant(x, [n], w, 1e-6, scale=scale, scale_ub=None, residual=r,
+                                                           **kw)
+        else:
+            codes, scales, got_h = emulated.layer_norm_quant(x, [n], w, b, 1e-5, scale=scale, scale_ub=None,
+                                                             residual=r, **kw)
+        if fmt == "per-row":
+            want_codes, want_scales = reference_quant(y, 1, torch.float8_e4m3fn, None, None)
+        else:
+            kw["scale"] = scale
+            want_codes, want_scales = _group_reference(fmt, kw, y, None)
+        same_group_output(codes, want_codes, f"codes, {fmt}")
+        same_group_output(scales, want_scales, f"scales, {fmt}")
+        _same_bits(got_h, h, f"residual_out, {fmt}")
 
 
 # ---- global memory traffic: bytes each kernel loads and stores (the emulation counts them per launch) ---------

@@ -86,11 +86,20 @@ inline RowPlan plan_rows(int64_t units, int max_packs) {
   return plan;
 }
 
+// float64 rows for a narrower input (or grad_out): only a float64 residual makes them. They take one variant,
+// single elements and one pack per lane (rows beyond 512 elements on the long kernels): the vectorized and
+// multi-pack variants of this combination were a fifth of the build's code (sm_90 SASS bytes, 4 of the 5 MB of
+// its quantized ones), and its speed matters to no model.
+template <typename Tin, typename Th>
+constexpr bool kWidenedRows = std::is_same_v<Th, double> && !std::is_same_v<Tin, double>;
+
 // Packs per lane a kernel may hold: the forward keeps one row (<= 32 values per lane), the backward three
 // rows and two partial rows (<= 16 values per lane); half that in double. Unaligned rows (kVec = 1) use
-// at most 4 packs.
-template <typename A, int kVec>
+// at most 4 packs; widened rows one.
+template <typename Tin, typename Th, int kVec>
 constexpr int max_packs(bool backward) {
+  using A = acc_t<Th>;
+  if (kWidenedRows<Tin, Th>) return 1;
   constexpr bool kDouble = std::is_same_v<A, double>;
   const int values = backward ? (kDouble ? 8 : 16) : (kDouble ? 16 : 32);
   const int packs = values / kVec;
@@ -101,9 +110,10 @@ constexpr int max_packs(bool backward) {
 // Packs per lane of the backward on a cluster: half the register path's where it holds 4 or more (float rows and
 // single elements), so that the cluster's all-reduce does not spill (ptxas sm_90, LayerNorm float rows at 4 packs:
 // 8 bytes).
-template <typename A, int kVec>
+template <typename Tg, typename Ts, int kVec>
 constexpr int cluster_packs() {
-  return max_packs<A, kVec>(true) >= 4 ? max_packs<A, kVec>(true) / 2 : max_packs<A, kVec>(true);
+  constexpr int kMax = max_packs<Tg, Ts, kVec>(true);
+  return kMax >= 4 ? kMax / 2 : kMax;
 }
 
 inline bool aligned(const void* p, size_t bytes) {
@@ -198,7 +208,7 @@ std::string kernel_name(const char* function, bool rms, int vec, int packs, bool
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, bool kQuant>
 LaunchPlan plan_forward_vec(int64_t rows, int64_t cols, const DeviceLimits& device) {
   using A = acc_t<Th>;
-  constexpr int kMax = max_packs<A, kVec>(false);
+  constexpr int kMax = max_packs<Tin, Th, kVec>(false);
   const RowPlan rows_plan = plan_rows(cols / kVec, kMax);
   LaunchPlan plan;
   plan.vec = kVec;
@@ -278,8 +288,8 @@ bool launch_forward_vec(const NormForwardParams& p, bool strided, cudaStream_t s
         p.group_size % kVec == 0 && group_units <= kMaxRowThreads && (group_units & (group_units - 1)) == 0,
         "layernorm_ext: per-group and block scales on CUDA need a group_size that is a power of two and at most ",
         kMaxRowThreads, " times the elements of the kernel's vector (", kVec, " here: ", 16 / sizeof(Tin), " for ",
-        sizeof(Tin), "-byte elements when the tensors are 16-byte aligned, else 1), but got group_size=",
-        p.group_size);
+        sizeof(Tin), "-byte elements when the tensors are 16-byte aligned, else 1; 1 for float64 rows of a narrower ",
+        "input), but got group_size=", p.group_size);
     q.group_units = static_cast<int>(group_units);
     q.groups = p.cols / p.group_size;
     q.block_scales = p.nvfp4_scales != nullptr ? p.nvfp4_scales : p.mx_scales;
@@ -289,7 +299,7 @@ bool launch_forward_vec(const NormForwardParams& p, bool strided, cudaStream_t s
   }
   TORCH_INTERNAL_ASSERT(p.residual == nullptr || residual_fits<Th>(p.residual_type),
                         "layernorm_ext: a residual dtype that does not promote to the rows' dtype");
-  constexpr int kMax = max_packs<A, kVec>(false);
+  constexpr int kMax = max_packs<Tin, Th, kVec>(false);
   const LaunchPlan plan = plan_forward_vec<Tin, Th, Tw, kRms, kVec, kQuant>(p.rows, p.cols, current_device_limits());
   if (strided && plan.packs == 0) return false;
   a.lanes = plan.lanes;
@@ -346,6 +356,12 @@ constexpr int pack_width() {
   return 16 / sizeof(T) < 8 ? static_cast<int>(16 / sizeof(T)) : 8;
 }
 
+// Elements per pack of the kernels for input (grad_out) Tin and rows Th: single elements for widened rows.
+template <typename Tin, typename Th>
+constexpr int row_pack_width() {
+  return kWidenedRows<Tin, Th> ? 1 : pack_width<Tin>();
+}
+
 // Whether a tensor of element_size-byte elements can be accessed in packs of kVec elements.
 template <int kVec>
 bool pack_aligned(const void* p, size_t element_size) {
@@ -366,7 +382,7 @@ void with_variant(bool rms, bool vectorized, F&& f) {
 
 template <typename Tin, typename Th, typename Tw>
 bool launch_forward(const NormForwardParams& p) {
-  constexpr int kVec = pack_width<Tin>();
+  constexpr int kVec = row_pack_width<Tin, Th>();
   const int64_t out_cols = p.quant_type == ScalarType::Float4_e2m1fn_x2 && p.codes != nullptr ? p.cols / 2 : p.cols;
   const bool strided = !p.input_rows.is_packed(p.cols) || !p.out_rows.is_packed(out_cols) ||
                        (p.residual != nullptr &&
@@ -393,7 +409,7 @@ bool launch_forward(const NormForwardParams& p) {
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec>
 LaunchPlan plan_backward_vec(int64_t rows, int64_t cols, const DeviceLimits& device) {
   using A = acc_t<Ts>;
-  constexpr int kMax = max_packs<A, kVec>(true);
+  constexpr int kMax = max_packs<Tg, Ts, kVec>(true);
   const RowPlan rows_plan = plan_rows(cols / kVec, kMax);
   LaunchPlan plan;
   plan.vec = kVec;
@@ -420,7 +436,7 @@ LaunchPlan plan_backward_vec(int64_t rows, int64_t cols, const DeviceLimits& dev
   // Long rows on sm_90: the register path on the fewest blocks of a cluster (2 to kMaxCluster) whose registers hold
   // the row, one row per cluster: dy and saved read once. Not for float64 rows (as the forward's clusters).
   if constexpr (!std::is_same_v<A, double>) {
-    constexpr int kPacks = cluster_packs<A, kVec>();
+    constexpr int kPacks = cluster_packs<Tg, Ts, kVec>();
     const void* cluster_kernel = reinterpret_cast<const void*>(backward_cluster_kernel<Tg, Ts, Tw, kRms, kVec, kPacks, false>);
     const int64_t block_units = static_cast<int64_t>(kMaxRowThreads) * kPacks;
     const int64_t cluster = (units + block_units - 1) / block_units;
@@ -488,7 +504,7 @@ bool launch_backward_vec(const NormBackwardParams& p, bool strided, cudaStream_t
   a.inv_cols = 1.0 / static_cast<double>(p.cols);
   a.weight_offset = static_cast<A>(p.weight_offset);
   a.saved_is_output = p.saved_is_output;
-  constexpr int kMax = max_packs<A, kVec>(true);
+  constexpr int kMax = max_packs<Tg, Ts, kVec>(true);
   const LaunchPlan plan = plan_backward_vec<Tg, Ts, Tw, kRms, kVec>(p.rows, p.cols, current_device_limits());
   const bool long_path = plan.packs == 0;
   if (strided && (long_path || plan.cluster > 1 || p.grad_residual_out != nullptr || !kStridedBackward<Tg, Ts, false>)) {
@@ -528,7 +544,7 @@ bool launch_backward_vec(const NormBackwardParams& p, bool strided, cudaStream_t
       constexpr int kPacks = decltype(packs)::value;
       constexpr bool kResidual = decltype(residual)::value;
       if (plan.cluster > 1) {
-        if constexpr (kPacks == cluster_packs<A, kVec>() && !std::is_same_v<A, double>) {
+        if constexpr (kPacks == cluster_packs<Tg, Ts, kVec>() && !std::is_same_v<A, double>) {
           auto kernel = backward_cluster_kernel<Tg, Ts, Tw, kRms, kVec, kPacks, kResidual>;
           launch_on_clusters(kernel, static_cast<unsigned>(grid), static_cast<unsigned>(threads), smem, stream,
                              static_cast<unsigned>(plan.cluster), a);
@@ -579,7 +595,7 @@ bool launch_backward_vec(const NormBackwardParams& p, bool strided, cudaStream_t
 
 template <typename Tg, typename Ts, typename Tw>
 bool launch_backward(const NormBackwardParams& p) {
-  constexpr int kVec = pack_width<Tg>();
+  constexpr int kVec = row_pack_width<Tg, Ts>();
   const bool strided = !p.grad_out_rows.is_packed(p.cols) || !p.saved_rows.is_packed(p.cols) ||
                        (p.grad_residual_out != nullptr && !p.grad_residual_rows.is_packed(p.cols));
   const bool vectorized = p.cols % kVec == 0 && pack_aligned<kVec>(p.grad_out, sizeof(Tg)) &&
@@ -660,11 +676,11 @@ LaunchPlan plan_for_input(const PlanQuery& query) {
   device.resident_clusters = [&](const void* kernel, int threads, size_t shared_bytes, int cluster) {
     return device.resident_blocks(kernel, threads, shared_bytes) / cluster;
   };
-  constexpr int kVec = pack_width<Tin>();
   LaunchPlan plan;
   dispatch_row_and_param_types<Tin>(query.row_type, query.param_type, [&](auto row_tag, auto param_tag) {
     using Th = typename decltype(row_tag)::type;
     using Tw = typename decltype(param_tag)::type;
+    constexpr int kVec = row_pack_width<Tin, Th>();
     // As the launchers: packs only when cols is a multiple of the pack width (and the pointers allow them).
     const bool vectorized = query.vectorized && query.cols % kVec == 0;
     with_variant<kVec>(query.rms, vectorized, [&](auto rms, auto width) {
