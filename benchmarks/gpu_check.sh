@@ -136,7 +136,7 @@ step bench 600 5 bench.log "$PY" benchmarks/bench.py --gpu-check --out "$OUT/ben
   done
   [ -f "$OUT/overhead.md" ] && grep -E '^Worst|^\| cuda' "$OUT/overhead.md" | grep -E '1x8|Worst'
   [ -f "$OUT/quant.log" ] && grep -E '^copy|^\| [0-9]' "$OUT/quant.log"
-  [ -f "$OUT/strided.log" ] && grep -E '^\| (QK|Layer)' "$OUT/strided.log"
+  [ -f "$OUT/strided.log" ] && grep -E '^\| (QK|Layer|\[)' "$OUT/strided.log"
   if [ -f "$OUT/bench.md" ]; then
     grep -E '^- C = ' "$OUT/bench.md" | cut -c1-60
     sed -n '/^## Summary/,/^## /p' "$OUT/bench.md" | grep '^|'

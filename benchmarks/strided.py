@@ -3,7 +3,7 @@ ours in place against the copy paths (ATen on the view, ours after .contiguous()
 then LayerNorm2d on contiguous NCHW input, forward (no grad) and forward + backward: ours in place (the CPU's
 channels-first kernels) against ours on a channels_last copy (what the op did before them) and timm's path.
 CPU, one thread, the median of --repeats timings of one call (CUDA: CUDA events, L2 flushed between calls,
-bench_timing.CudaTimer; the NCHW table is CPU only), and the MB that one call's copies move beyond the norm's own
+bench_timing.CudaTimer), and the MB that one call's copies move beyond the norm's own
 reads and writes (copied_mb: every aten::copy_ the profiler records, those inside ATen's kernels included, each
 reading and writing its elements; a composite's intermediates are not counted).
 
@@ -114,11 +114,10 @@ def main() -> None:
         print(f"| LayerNorm2d channels_last [{n}, {c}, {h}, {wd}] | {dtype} | forward | "
               + " | ".join(f"{t:.0f}" for t in row) + f" | {moved} |")  # fmt: skip
 
-    if device.type == "cpu":  # NCHW in place: the CPU's channels-first kernels only (CUDA copies it)
-        nchw(args.repeats)
+    nchw(device, time_us)
 
 
-def nchw(repeats: int) -> None:
+def nchw(device: torch.device, time_us: Callable[[Callable[[], object]], float]) -> None:
     print()
     print("| LayerNorm2d, NCHW input | dtype | pass | ours, in place (us) | ours on a channels_last copy (us) "
           "| timm: permute + ATen (us) | copy / in place | timm / in place "
@@ -127,9 +126,10 @@ def nchw(repeats: int) -> None:
     for shape in ((8, 96, 56, 56), (1, 256, 64, 64)):
         c = shape[1]
         for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(shape, dtype=dtype)
-            weight, bias = torch.randn(c, dtype=dtype), torch.randn(c, dtype=dtype)
-            grad = torch.randn(shape, dtype=dtype)
+            x = torch.randn(shape, dtype=dtype, device=device)
+            weight = torch.randn(c, dtype=dtype, device=device)
+            bias = torch.randn(c, dtype=dtype, device=device)
+            grad = torch.randn(shape, dtype=dtype, device=device)
             norms: list[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = [
                 lambda t, w, b: L.layer_norm_2d(t, w, b),
                 lambda t, w, b: L.layer_norm_2d(t.contiguous(memory_format=torch.channels_last), w, b),
@@ -140,11 +140,11 @@ def nchw(repeats: int) -> None:
                 if name == "forward":
                     calls = [lambda norm=norm: norm(x, weight, bias) for norm in norms]
                     with torch.no_grad():
-                        times = [median_us(call, repeats) for call in calls]
+                        times = [time_us(call) for call in calls]
                         moved = [copied_mb(call, x.element_size()) for call in calls]
                 else:
                     calls = [lambda norm=norm: torch.autograd.grad(norm(*leaves), leaves, grad) for norm in norms]
-                    times = [median_us(call, repeats) for call in calls]
+                    times = [time_us(call) for call in calls]
                     moved = [copied_mb(call, x.element_size()) for call in calls]
                 cells = [f"{t:.0f}" for t in times] + [f"{times[1] / times[0]:.2f}", f"{times[2] / times[0]:.2f}"]
                 cells.append(" / ".join(f"{mb:.1f}" for mb in moved))

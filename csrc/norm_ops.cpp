@@ -47,7 +47,7 @@ std::optional<RowLayout> row_layout(const Tensor& t, int64_t normalized_ndim, in
   return RowLayout{kept_sizes[0], kept_strides[0], kept_strides[1]};
 }
 
-// Channels-first rows, which the CPU's columns kernels (csrc/cpu/columns.h) read in place: t is [leading...,
+// Channels-first rows, which the columns kernels (csrc/cpu/columns.h, csrc/cuda/columns_kernels.cuh) read in place: t is [leading...,
 // cols] over a dense [images][cols][plane] block of memory, (N, *spatial, C) as layer_norm_2d permutes a contiguous
 // (N, C, *spatial) tensor. That is: one normalized dim, of cols > 1 elements and stride plane; the innermost
 // leading dims of more than one element coalesce into the plane (pixels, stride 1, plane > 1 of them); the rest
@@ -55,7 +55,7 @@ std::optional<RowLayout> row_layout(const Tensor& t, int64_t normalized_ndim, in
 // row kernels; the rest are copied: a slice of the channels, a strided plane, normalized_shape of two dims or more).
 // layernorm_ext/ops.py (_column_plane) mirrors it for the fake kernels' strides.
 int64_t column_plane(const Tensor& t, int64_t normalized_ndim) {
-  if (normalized_ndim != 1 || t.dim() < 2 || !t.is_cpu()) return 0;
+  if (normalized_ndim != 1 || t.dim() < 2) return 0;
   const at::IntArrayRef sizes = t.sizes(), strides = t.strides();
   const int64_t cols = sizes.back();
   int64_t expected = 1, plane = 0;  // the next dim's stride if it continues the pixels (then the images)
@@ -435,8 +435,11 @@ BackwardResult norm_backward(const char* op, const Tensor& grad_out_arg, const T
   auto widened = [widen](const Tensor& t) { return widen ? t.to(ScalarType::Double) : t; };
   auto statistics = [&](const Tensor& t) { return widened(t).contiguous(); };
   // Channels-first saved rows (column_plane; the forward took them in place): read in place, with grad_out in
-  // the same layout (copied into it if it has another one, e.g. an expanded gradient), and grad_input in it too.
-  const int64_t plane = grad_residual_out_arg.has_value() ? 0 : column_plane(saved_arg, normalized_ndim);
+  // the same layout (copied into it if it has another one, e.g. an expanded gradient), and grad_input in it too;
+  // only with grad_out in saved's dtype (as autograd gives it: the CUDA kernels take no other pair).
+  const int64_t plane = grad_residual_out_arg.has_value() || grad_out_arg.scalar_type() != saved_arg.scalar_type()
+                           ? 0
+                           : column_plane(saved_arg, normalized_ndim);
   const ReadRows saved_rows =
       plane > 0 ? ReadRows{widened(saved_arg), RowLayout{}} : read_rows(widened(saved_arg), normalized_ndim, g.cols);
   const ReadRows grad_out_rows = plane > 0 ? ReadRows{in_layout_of(widened(grad_out_arg), saved_rows.rows), RowLayout{}}

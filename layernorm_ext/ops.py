@@ -40,9 +40,9 @@ def _stat_dtype(h_dtype: torch.dtype) -> torch.dtype:
 
 def _column_plane(t: Tensor, normalized_ndim: int) -> int:
     """Mirrors column_plane in csrc/norm_ops.cpp: the pixels per image when t's rows are channels-first rows that
-    the CPU kernels read in place (t (N, *spatial, C) over a dense (N, C, *spatial) block: layer_norm_2d's view of
-    a contiguous NCHW tensor), else 0. Such an op's output (forward: out; backward: grad_input) has t's strides."""
-    if normalized_ndim != 1 or t.dim() < 2 or t.device.type != "cpu":
+    the kernels read in place (t (N, *spatial, C) over a dense (N, C, *spatial) block: layer_norm_2d's view of a
+    contiguous NCHW tensor), else 0. Such an op's output (forward: out; backward: grad_input) has t's strides."""
+    if normalized_ndim != 1 or t.dim() < 2:
         return 0
     sizes, strides = t.shape, t.stride()
     cols = sizes[-1]
@@ -130,8 +130,13 @@ def _param_grad_placeholder(saved: Tensor, param: Tensor | None, other: Tensor |
     return saved.new_empty((0,), dtype=dtype)
 
 
-def _grad_input_like(saved: Tensor, normalized_shape: Sequence[int], grad_residual_out: Tensor | None) -> Tensor:
-    return saved.new_empty(saved.shape) if grad_residual_out is not None else _like_rows(saved, len(normalized_shape))
+def _grad_input_like(
+    grad_out: Tensor, saved: Tensor, normalized_shape: Sequence[int], grad_residual_out: Tensor | None
+) -> Tensor:
+    # Channels-first rows only with grad_out in saved's dtype (norm_ops.cpp, norm_backward).
+    if grad_residual_out is not None or grad_out.dtype != saved.dtype:
+        return saved.new_empty(saved.shape)
+    return _like_rows(saved, len(normalized_shape))
 
 
 @torch.library.register_fake("layernorm_ext::layer_norm_bwd")
@@ -153,7 +158,7 @@ def _layer_norm_bwd_fake(
     )
     _checks.check_weight_offset("layer_norm_backward", weight, weight_offset)
     return (
-        _grad_input_like(saved, normalized_shape, grad_residual_out),
+        _grad_input_like(grad_out, saved, normalized_shape, grad_residual_out),
         _param_grad_placeholder(saved, weight, bias),
         _param_grad_placeholder(saved, bias, weight),
     )
@@ -175,7 +180,10 @@ def _rms_norm_bwd_fake(
         saved_is_output, rms=True,
     )
     _checks.check_weight_offset("rms_norm_backward", weight, weight_offset)
-    return _grad_input_like(saved, normalized_shape, grad_residual_out), _param_grad_placeholder(saved, weight, None)
+    return (
+        _grad_input_like(grad_out, saved, normalized_shape, grad_residual_out),
+        _param_grad_placeholder(saved, weight, None),
+    )
 
 
 # The inference ops (out=, in place): they return nothing, so their fake kernels only check (as the C++ op

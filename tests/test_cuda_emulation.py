@@ -17,6 +17,7 @@ while rows beyond 16 blocks (2^20 bfloat16) or its quantized and float64 variant
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -469,6 +470,90 @@ def test_emulated_widened_rows_quantized_output(emulated: ModuleType, rms: bool,
         same_group_output(codes, want_codes, f"codes, {fmt}")
         same_group_output(scales, want_scales, f"scales, {fmt}")
         _same_bits(got_h, h, f"residual_out, {fmt}")
+
+
+# ---- channels-first rows (columns_kernels.cuh): LayerNorm2d / RMSNorm2d on NCHW memory in place ---------------
+# (N, C, H, W): a partial tile of 5 pixels and fewer channels than the block's 8 warps, two whole tiles, 11 tiles
+# of an odd plane (333 pixels), 769 channels, and a tile of the last image cut short.
+NCHW_CASES = ((2, 7, 1, 5), (2, 32, 8, 8), (3, 96, 9, 37), (1, 769, 3, 11), (5, 16, 7, 7))
+
+
+def _emulated_2d(module: ModuleType, rms: bool, memory_efficient: bool) -> Callable[..., Tensor]:
+    """layer_norm_2d / rms_norm_2d on the emulated kernels: the op on the (N, *spatial, C) view of the input."""
+    from test_norm_2d import EPS, _back, _rows
+
+    function = _autograd_function(module, rms)
+
+    def norm(x: Tensor, w: Tensor | None, b: Tensor | None = None) -> Tensor:
+        view, shape = _rows(x), [x.shape[1]]
+        if rms:
+            return _back(function.apply(view, shape, w, EPS, None, False, memory_efficient)[0])
+        return _back(function.apply(view, shape, w, b, EPS, None, False, memory_efficient)[0])
+
+    return norm
+
+
+@pytest.mark.parametrize("shape", NCHW_CASES, ids=["x".join(map(str, s)) for s in NCHW_CASES])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm_2d", "rms_norm_2d"])
+@pytest.mark.parametrize(("dtype", "param_dtype"), [(F32, F32), (BF16, BF16), (F16, F32), (F64, F64)], ids=str)
+def test_emulated_channels_first_rows(
+    emulated: ModuleType, shape: tuple[int, ...], rms: bool, dtype: torch.dtype, param_dtype: torch.dtype
+) -> None:
+    """A contiguous NCHW input read and written in place (no copy in the profiler; out and grad_input NCHW), the
+    output and every gradient under the suite's rule against ATen on timm's permuted path (fp64 the reference),
+    memory_efficient (xhat from the saved output) too."""
+    from test_norm_2d import _inputs, _run, _timm
+    from test_strided import _copies
+
+    x, w, b, grad = _inputs(shape, dtype, param_dtype, True, rms, seed=sum(shape))
+    aten = _run(lambda *a: _timm(*a, rms), [x, w, b], grad)
+    reference = _run(lambda *a: _timm(*a, rms), [t if t is None else t.double() for t in (x, w, b)], grad.double())
+    names = ["out", "grad_input", "grad_weight", "grad_bias"]
+    for memory_efficient in (False, True):
+        norm = _emulated_2d(emulated, rms, memory_efficient)
+        got = _run(norm, [x, w, b], grad)
+        assert got[0].is_contiguous() and got[1].is_contiguous(), (got[0].stride(), got[1].stride())
+        for name, g, a, r in zip(names, got, aten, reference):
+            assert_no_worse_than_aten(g, a, r, f"{name} {shape} {dtype} memory_efficient={memory_efficient}")
+    norm = _emulated_2d(emulated, rms, False)  # (memory_efficient's decision reads the weight: its own copies)
+    with torch.no_grad():
+        assert _copies(lambda: norm(x, w, b)) == []
+    leaves = [t.detach().requires_grad_() for t in (x, w, b) if t is not None]
+    out = norm(*leaves)
+    assert _copies(lambda: out.backward(grad)) == []
+
+
+def test_emulated_channels_first_parameter_gradient_groups(emulated: ModuleType) -> None:
+    """dweight / dbias over several groups of images (4 images of 4096 pixels a group: 3 groups, the last of one
+    image), added in a fixed order: the suite's rule against ATen, and the same bits on a second run."""
+    from test_norm_2d import _inputs, _run, _timm
+
+    x, w, b, grad = _inputs((9, 3, 64, 64), F32, F32, True, False, seed=3)
+    got = _run(_emulated_2d(emulated, False, False), [x, w, b], grad)
+    aten = _run(lambda *a: _timm(*a, False), [x, w, b], grad)
+    reference = _run(lambda *a: _timm(*a, False), [x.double(), w.double(), b.double()], grad.double())
+    for name, g, a, r in zip(["out", "grad_input", "grad_weight", "grad_bias"], got, aten, reference):
+        assert_no_worse_than_aten(g, a, r, name)
+    again = _run(_emulated_2d(emulated, False, False), [x, w, b], grad)
+    assert all(torch.equal(g, a) for g, a in zip(got, again))
+
+
+def test_emulated_channels_first_nonfinite_and_huge_values(emulated: ModuleType) -> None:
+    """A non-finite element poisons its pixel only; a pixel of values ~1e20 (float squares overflow: its sums again
+    in double) matches the rows kernels on the channels_last copy."""
+    from test_norm_2d import _inputs
+
+    for rms in (False, True):
+        for value in (float("inf"), float("nan")):
+            x, w, b, _ = _inputs((2, 96, 5, 7), F32, F32, True, rms, seed=8)
+            x[0, 3, 2, 4] = value
+            x[1, :, 1, 1] *= 1e20
+            with torch.no_grad():
+                nchw = _emulated_2d(emulated, rms, False)(x, w, b)
+                rows = _emulated_2d(emulated, rms, False)(x.contiguous(memory_format=torch.channels_last), w, b)
+            torch.testing.assert_close(nchw, rows, equal_nan=True)
+            bad = ~nchw.isfinite()
+            assert bad.sum() == bad[0, :, 2, 4].sum()
 
 
 # ---- global memory traffic: bytes each kernel loads and stores (the emulation counts them per launch) ---------

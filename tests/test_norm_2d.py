@@ -133,6 +133,30 @@ def test_nchw_against_aten(channels: int, plane: int, dtype: torch.dtype, rms: b
         _check_against_aten((2, channels, *PLANES[plane]), dtype, dtype, affine, rms, seed=channels + plane)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm_2d", "rms_norm_2d"])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=str)
+def test_cuda_nchw_in_place(dtype: torch.dtype, rms: bool) -> None:
+    """CUDA's channels-first kernels (csrc/cuda/columns_kernels.cuh): the suite's rule against ATen on timm's path,
+    NCHW out and grad_input, no copy forward or backward (tests/test_cuda_emulation.py runs them on the host)."""
+    from test_strided import _copies
+
+    for shape in ((2, 7, 1, 5), (3, 96, 9, 37), (1, 769, 3, 11), (8, 64, 56, 56)):
+        x, w, b, grad = (t if t is None else t.cuda() for t in _inputs(shape, dtype, dtype, True, rms, seed=shape[1]))
+        got = _run(lambda *a: _ours(*a, rms), [x, w, b], grad)
+        aten = _run(lambda *a: _timm(*a, rms), [x, w, b], grad)
+        wide = [t if t is None else t.double() for t in (x, w, b)]
+        reference = _run(lambda *a: _timm(*a, rms), wide, grad.double())
+        for name, g, a, r in zip(["out", "grad_input", "grad_weight", "grad_bias"], got, aten, reference):
+            assert_no_worse_than_aten(g, a, r, f"{name} {shape} {dtype}")
+        assert got[0].is_contiguous() and got[1].is_contiguous(), (got[0].stride(), got[1].stride())
+        with torch.no_grad():
+            assert _copies(lambda: _ours(x, w, b, rms)) == []
+        xl, wl, bl = (t if t is None else t.detach().requires_grad_() for t in (x, w, b))
+        out = _ours(xl, wl, bl, rms)
+        assert _copies(lambda: out.backward(grad)) == []
+
+
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm_2d", "rms_norm_2d"])
 @pytest.mark.parametrize("shape", [(1, 96, 9, 37), (3, 7, 2, 3, 5), (1, 769, 1, 3, 7), (2, 32, 333)],
                          ids=["n1", "3d", "3d_n1", "1d"])  # fmt: skip

@@ -38,6 +38,7 @@
 #include "launch_plan.h"
 #include "forward_kernels.cuh"
 #include "backward_kernels.cuh"
+#include "columns_kernels.cuh"
 
 namespace layernorm_ext {
 namespace cuda {
@@ -610,6 +611,114 @@ bool launch_backward(const NormBackwardParams& p) {
   return launched;
 }
 
+// ---- channels-first rows (columns_kernels.cuh) ------------------------------------------------------------
+
+inline ColumnRows column_rows(int64_t plane) { return {plane, (plane + 31) / 32}; }
+
+template <typename Tin, typename Tw>
+void launch_forward_columns(const NormForwardParams& p) {
+  using A = acc_t<Tin>;
+  TORCH_INTERNAL_ASSERT(p.residual == nullptr && p.codes == nullptr,
+                        "layernorm_ext: channels-first rows with a residual or a quantized output");
+  ForwardArgs<A> a{};
+  a.input = p.input;
+  a.weight = p.weight;
+  a.bias = p.bias;
+  a.out = p.out;
+  a.mean = static_cast<A*>(p.mean);
+  a.rstd = static_cast<A*>(p.rstd);
+  a.rows = p.rows;
+  a.cols = p.cols;
+  a.units = p.cols;
+  a.inv_cols = 1.0 / static_cast<double>(p.cols);
+  a.eps = p.eps;
+  a.weight_offset = static_cast<A>(p.weight_offset);
+  a.cast_before_weight = p.cast_before_weight;
+  a.residual_type = p.input_type;
+  a.lanes = 32;
+  a.rows_per_block = 1;
+  const ColumnRows c = column_rows(p.plane);
+  const unsigned grid = static_cast<unsigned>(grid_for(p.rows / p.plane * c.tiles_per_image));
+  auto launch = [&](auto rms) {
+    auto kernel = forward_columns_kernel<Tin, Tw, decltype(rms)::value>;
+    LNX_LAUNCH(kernel, grid, kColumnThreads, 0, current_stream())(a, c);
+  };
+  if (p.rms) launch(std::true_type{});
+  else launch(std::false_type{});
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename Tg, typename Tw>
+void launch_backward_columns(const NormBackwardParams& p) {
+  using A = acc_t<Tg>;
+  const cudaStream_t stream = current_stream();
+  BackwardArgs<A> a{};
+  a.grad_out = p.grad_out;
+  a.saved = p.saved;
+  a.mean = static_cast<const A*>(p.mean);
+  a.rstd = static_cast<const A*>(p.rstd);
+  a.weight = p.weight;
+  a.bias = p.bias;
+  a.grad_input = p.grad_input;
+  a.rows = p.rows;
+  a.cols = p.cols;
+  a.units = p.cols;
+  a.inv_cols = 1.0 / static_cast<double>(p.cols);
+  a.weight_offset = static_cast<A>(p.weight_offset);
+  a.saved_is_output = p.saved_is_output;
+  a.lanes = 32;
+  a.rows_per_block = 1;
+  const ColumnRows c = column_rows(p.plane);
+  const int64_t images = p.rows / p.plane;
+  // dweight / dbias: a block per channel and group of images, each thread adding about 64 terms (float sums, as
+  // the long path's row groups), in a grid of at most 2^31 - 1 blocks.
+  const int64_t max_groups = std::max<int64_t>(1, std::numeric_limits<int32_t>::max() / p.cols);
+  int64_t per_group = std::max<int64_t>(1, 64 * kParamGradThreads / p.plane);
+  per_group = std::max<int64_t>(per_group, (images + max_groups - 1) / max_groups);
+  const int64_t groups = (images + per_group - 1) / per_group;
+  const bool want_dweight = p.grad_weight != nullptr;
+  const bool want_dbias = !p.rms && p.grad_bias != nullptr;
+  const size_t buffers = static_cast<size_t>(want_dweight) + static_cast<size_t>(want_dbias);
+  // One workspace (graph-safe, the current stream's): the rows' terms [rows], then [groups, cols] partials each.
+  const size_t terms_bytes = buffers > 0 ? static_cast<size_t>(p.rows) * sizeof(ColumnRowTerms<A>) : 0;
+  const size_t partial_elements = static_cast<size_t>(groups) * p.cols;
+  c10::DataPtr scratch;
+  ColumnRowTerms<A>* row_terms = nullptr;
+  if (buffers > 0) {
+    scratch = workspace(terms_bytes + buffers * partial_elements * sizeof(A));
+    row_terms = static_cast<ColumnRowTerms<A>*>(scratch.get());
+    A* partials = reinterpret_cast<A*>(static_cast<unsigned char*>(scratch.get()) + terms_bytes);
+    a.partial_dweight = want_dweight ? partials : nullptr;
+    a.partial_dbias = want_dbias ? partials + (want_dweight ? partial_elements : 0) : nullptr;
+  }
+  const unsigned grid = static_cast<unsigned>(grid_for(images * c.tiles_per_image));
+  const unsigned param_grid = static_cast<unsigned>(p.cols * groups);
+  auto launch = [&](auto rms) {
+    constexpr bool kRms = decltype(rms)::value;
+    auto kernel = backward_columns_kernel<Tg, Tg, Tw, kRms>;
+    LNX_LAUNCH(kernel, grid, kColumnThreads, 0, stream)(a, c, row_terms);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (buffers > 0) {
+      auto param_grads = columns_param_grads_kernel<Tg, Tg, Tw, kRms>;
+      LNX_LAUNCH(param_grads, param_grid, kParamGradThreads, 0, stream)(a, c, row_terms, per_group);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  };
+  if (p.rms) launch(std::true_type{});
+  else launch(std::false_type{});
+  const dim3 reduce_block(kReduceColumns, kReduceSlices);
+  const unsigned reduce_grid = static_cast<unsigned>((p.cols + kReduceColumns - 1) / kReduceColumns);
+  auto reduce = reduce_partials_kernel<Tw, A>;
+  if (want_dweight) {
+    LNX_LAUNCH(reduce, reduce_grid, reduce_block, 0, stream)(a.partial_dweight, p.grad_weight, groups, p.cols);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (want_dbias) {
+    LNX_LAUNCH(reduce, reduce_grid, reduce_block, 0, stream)(a.partial_dbias, p.grad_bias, groups, p.cols);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
 // ---- dtype dispatch --------------------------------------------------------------------------------------
 
 template <typename T>
@@ -644,21 +753,34 @@ void dispatch_row_and_param_types(ScalarType row_type, ScalarType param_type, F&
 // rows beyond the register path, or with a quantized output: launch_on_rows copies them).
 template <typename Tin>
 bool forward_for_input(const NormForwardParams& p) {
-  // Channels-first rows have CPU kernels only (norm_ops.cpp routes CUDA inputs through copies): never ignored here.
-  TORCH_CHECK(p.plane == 0, "layernorm_ext: channels-first rows have no CUDA kernel");
   bool launched = false;
   dispatch_row_and_param_types<Tin>(p.h_type, p.weight_type, [&](auto h_tag, auto w_tag) {
-    launched = launch_forward<Tin, typename decltype(h_tag)::type, typename decltype(w_tag)::type>(p);
+    using Th = typename decltype(h_tag)::type;
+    using Tw = typename decltype(w_tag)::type;
+    if (p.plane > 0) {  // channels-first rows: never declined (they are no rows launch_on_rows could copy)
+      if constexpr (std::is_same_v<Th, Tin>) launch_forward_columns<Tin, Tw>(p);
+      else TORCH_INTERNAL_ASSERT(false, "layernorm_ext: channels-first rows with a residual");
+      launched = true;
+    } else {
+      launched = launch_forward<Tin, Th, Tw>(p);
+    }
   });
   return launched;
 }
 
 template <typename Tg>
 bool backward_for_grad(const NormBackwardParams& p) {
-  TORCH_CHECK(p.plane == 0, "layernorm_ext: channels-first rows have no CUDA kernel");
   bool launched = false;
   dispatch_row_and_param_types<Tg>(p.saved_type, p.weight_type, [&](auto s_tag, auto w_tag) {
-    launched = launch_backward<Tg, typename decltype(s_tag)::type, typename decltype(w_tag)::type>(p);
+    using Ts = typename decltype(s_tag)::type;
+    using Tw = typename decltype(w_tag)::type;
+    if (p.plane > 0) {  // norm_ops.cpp gives channels-first rows only with grad_out in saved's dtype
+      if constexpr (std::is_same_v<Ts, Tg>) launch_backward_columns<Tg, Tw>(p);
+      else TORCH_INTERNAL_ASSERT(false, "layernorm_ext: channels-first rows with grad_out narrower than saved");
+      launched = true;
+    } else {
+      launched = launch_backward<Tg, Ts, Tw>(p);
+    }
   });
   return launched;
 }
