@@ -252,6 +252,50 @@ LaunchPlan plan_forward_vec(int64_t rows, int64_t cols, const DeviceLimits& devi
   return plan;
 }
 
+// A call's kernel arguments in units of kVec elements (the mapping's fields, lanes and rows_per_block, left to
+// the launcher).
+template <typename A>
+ForwardArgs<A> forward_args(const NormForwardParams& p, int vec) {
+  ForwardArgs<A> a{};
+  a.input = p.input;
+  a.residual = p.residual;
+  a.weight = p.weight;
+  a.bias = p.bias;
+  a.out = p.out;
+  a.residual_out = p.residual_out;
+  a.mean = static_cast<A*>(p.mean);
+  a.rstd = static_cast<A*>(p.rstd);
+  a.rows = p.rows;
+  a.cols = p.cols;
+  a.units = p.cols / vec;
+  a.inv_cols = 1.0 / static_cast<double>(p.cols);
+  a.eps = p.eps;
+  a.weight_offset = static_cast<A>(p.weight_offset);
+  a.cast_before_weight = p.cast_before_weight;
+  a.residual_type = p.residual_type;
+  return a;
+}
+
+template <typename A>
+BackwardArgs<A> backward_args(const NormBackwardParams& p, int vec) {
+  BackwardArgs<A> a{};
+  a.grad_out = p.grad_out;
+  a.grad_residual_out = p.grad_residual_out;
+  a.saved = p.saved;
+  a.mean = static_cast<const A*>(p.mean);
+  a.rstd = static_cast<const A*>(p.rstd);
+  a.weight = p.weight;
+  a.bias = p.bias;
+  a.grad_input = p.grad_input;
+  a.rows = p.rows;
+  a.cols = p.cols;
+  a.units = p.cols / vec;
+  a.inv_cols = 1.0 / static_cast<double>(p.cols);
+  a.weight_offset = static_cast<A>(p.weight_offset);
+  a.saved_is_output = p.saved_is_output;
+  return a;
+}
+
 // Whether the register path has a variant for strided rows: without a residual (h is then the input: Th = Tin) and
 // without a quantized output. The others are left out so that the build (CI's, on 2 cores) stays near its size:
 // the variants without a residual took it from 902 to 1133 s before the Th = Tin bound.
@@ -264,23 +308,7 @@ template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, bool kQua
 bool launch_forward_vec(const NormForwardParams& p, bool strided, cudaStream_t stream) {
   using A = acc_t<Th>;
   if (strided && (p.residual != nullptr || !kStridedForward<Tin, Th, false, kQuant>)) return false;
-  ForwardArgs<A> a;
-  a.input = p.input;
-  a.residual = p.residual;
-  a.weight = p.weight;
-  a.bias = p.bias;
-  a.out = p.out;
-  a.residual_out = p.residual_out;
-  a.mean = static_cast<A*>(p.mean);
-  a.rstd = static_cast<A*>(p.rstd);
-  a.rows = p.rows;
-  a.cols = p.cols;
-  a.units = p.cols / kVec;
-  a.inv_cols = 1.0 / static_cast<double>(p.cols);
-  a.eps = p.eps;
-  a.weight_offset = static_cast<A>(p.weight_offset);
-  a.cast_before_weight = p.cast_before_weight;
-  a.residual_type = p.residual_type;
+  ForwardArgs<A> a = forward_args<A>(p, kVec);
   QuantArgs q{p.codes, p.scale, p.scale_ub, p.row_scales, quant_code(p.quant_type)};
   if (p.group_size > 0) {
     const int64_t group_units = p.group_size / kVec;
@@ -490,21 +518,7 @@ constexpr bool kStridedBackward = !kResidual && std::is_same_v<Ts, Tg>;
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec>
 bool launch_backward_vec(const NormBackwardParams& p, bool strided, cudaStream_t stream) {
   using A = acc_t<Ts>;
-  BackwardArgs<A> a;
-  a.grad_out = p.grad_out;
-  a.grad_residual_out = p.grad_residual_out;
-  a.saved = p.saved;
-  a.mean = static_cast<const A*>(p.mean);
-  a.rstd = static_cast<const A*>(p.rstd);
-  a.weight = p.weight;
-  a.bias = p.bias;
-  a.grad_input = p.grad_input;
-  a.rows = p.rows;
-  a.cols = p.cols;
-  a.units = p.cols / kVec;
-  a.inv_cols = 1.0 / static_cast<double>(p.cols);
-  a.weight_offset = static_cast<A>(p.weight_offset);
-  a.saved_is_output = p.saved_is_output;
+  BackwardArgs<A> a = backward_args<A>(p, kVec);
   constexpr int kMax = max_packs<Tg, Ts, kVec>(true);
   const LaunchPlan plan = plan_backward_vec<Tg, Ts, Tw, kRms, kVec>(p.rows, p.cols, current_device_limits());
   const bool long_path = plan.packs == 0;
@@ -620,21 +634,7 @@ void launch_forward_columns(const NormForwardParams& p) {
   using A = acc_t<Tin>;
   TORCH_INTERNAL_ASSERT(p.residual == nullptr && p.codes == nullptr,
                         "layernorm_ext: channels-first rows with a residual or a quantized output");
-  ForwardArgs<A> a{};
-  a.input = p.input;
-  a.weight = p.weight;
-  a.bias = p.bias;
-  a.out = p.out;
-  a.mean = static_cast<A*>(p.mean);
-  a.rstd = static_cast<A*>(p.rstd);
-  a.rows = p.rows;
-  a.cols = p.cols;
-  a.units = p.cols;
-  a.inv_cols = 1.0 / static_cast<double>(p.cols);
-  a.eps = p.eps;
-  a.weight_offset = static_cast<A>(p.weight_offset);
-  a.cast_before_weight = p.cast_before_weight;
-  a.residual_type = p.input_type;
+  ForwardArgs<A> a = forward_args<A>(p, 1);
   a.lanes = 32;
   a.rows_per_block = 1;
   const ColumnRows c = column_rows(p.plane);
@@ -652,20 +652,7 @@ template <typename Tg, typename Tw>
 void launch_backward_columns(const NormBackwardParams& p) {
   using A = acc_t<Tg>;
   const cudaStream_t stream = current_stream();
-  BackwardArgs<A> a{};
-  a.grad_out = p.grad_out;
-  a.saved = p.saved;
-  a.mean = static_cast<const A*>(p.mean);
-  a.rstd = static_cast<const A*>(p.rstd);
-  a.weight = p.weight;
-  a.bias = p.bias;
-  a.grad_input = p.grad_input;
-  a.rows = p.rows;
-  a.cols = p.cols;
-  a.units = p.cols;
-  a.inv_cols = 1.0 / static_cast<double>(p.cols);
-  a.weight_offset = static_cast<A>(p.weight_offset);
-  a.saved_is_output = p.saved_is_output;
+  BackwardArgs<A> a = backward_args<A>(p, 1);
   a.lanes = 32;
   a.rows_per_block = 1;
   const ColumnRows c = column_rows(p.plane);
