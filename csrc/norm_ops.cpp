@@ -47,12 +47,13 @@ std::optional<RowLayout> row_layout(const Tensor& t, int64_t normalized_ndim, in
   return RowLayout{kept_sizes[0], kept_strides[0], kept_strides[1]};
 }
 
-// Channels-first rows, which the columns kernels (csrc/cpu/columns.h, csrc/cuda/columns_kernels.cuh) read in place: t is [leading...,
-// cols] over a dense [images][cols][plane] block of memory, (N, *spatial, C) as layer_norm_2d permutes a contiguous
-// (N, C, *spatial) tensor. That is: one normalized dim, of cols > 1 elements and stride plane; the innermost
-// leading dims of more than one element coalesce into the plane (pixels, stride 1, plane > 1 of them); the rest
-// into the images, stride cols * plane. Returns plane, or 0 for any other layout (those with packed rows go to the
-// row kernels; the rest are copied: a slice of the channels, a strided plane, normalized_shape of two dims or more).
+// Channels-first rows, which the columns kernels (csrc/cpu/columns.h, csrc/cuda/columns_kernels.cuh) read in
+// place: t is [leading..., cols] over a dense [images][cols][plane] block of memory, (N, *spatial, C) as
+// layer_norm_2d permutes a contiguous (N, C, *spatial) tensor. That is: one normalized dim, of cols > 1 elements
+// and stride plane; the innermost leading dims of more than one element coalesce into the plane (pixels, stride 1,
+// plane > 1 of them); the rest into the images, stride cols * plane. Returns plane, or 0 for any other layout
+// (those with packed rows go to the row kernels; the rest are copied: a slice of the channels, a strided plane,
+// normalized_shape of two dims or more).
 // layernorm_ext/ops.py (_column_plane) mirrors it for the fake kernels' strides.
 int64_t column_plane(const Tensor& t, int64_t normalized_ndim) {
   if (normalized_ndim != 1 || t.dim() < 2) return 0;

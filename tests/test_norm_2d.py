@@ -60,13 +60,13 @@ def _run(norm: Callable[..., Tensor], leaves: list[Tensor | None], grad: Tensor)
 
 
 def _inputs(shape: tuple[int, ...], dtype: torch.dtype, param_dtype: torch.dtype, affine: bool, rms: bool,
-            seed: int) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:  # fmt: skip
+            seed: int, device: str = "cpu") -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:  # fmt: skip
     torch.manual_seed(seed)
-    x = (torch.randn(shape) * 2 + 0.5).to(dtype)
+    x = (torch.randn(shape) * 2 + 0.5).to(device, dtype)
     c = shape[1]
-    w = torch.randn(c, dtype=param_dtype) if affine else None
-    b = torch.randn(c, dtype=param_dtype) if affine and not rms else None
-    grad = torch.randn(shape).to(dtype)
+    w = torch.randn(c, dtype=param_dtype).to(device) if affine else None
+    b = torch.randn(c, dtype=param_dtype).to(device) if affine and not rms else None
+    grad = torch.randn(shape).to(device, dtype)
     return x, w, b, grad
 
 
@@ -102,9 +102,9 @@ def _extended_reference(x: Tensor, w: Tensor | None, b: Tensor | None, grad: Ten
 
 
 def _check_against_aten(shape: tuple[int, ...], dtype: torch.dtype, param_dtype: torch.dtype, affine: bool,
-                        rms: bool, seed: int = 0, **kwargs: object) -> list[Tensor]:  # fmt: skip
+                        rms: bool, seed: int = 0, device: str = "cpu", **kwargs: object) -> list[Tensor]:  # fmt: skip
     """Ours on a contiguous NCHW input vs ATen's on timm's path, fp64 the reference; returns ours."""
-    x, w, b, grad = _inputs(shape, dtype, param_dtype, affine, rms, seed)
+    x, w, b, grad = _inputs(shape, dtype, param_dtype, affine, rms, seed, device)
     got = _run(lambda *a: _ours(*a, rms, **kwargs), [x, w, b], grad)
     aten = _run(lambda *a: _timm(*a, rms), [x, w, b], grad)
     if dtype == F64 and np.finfo(np.longdouble).eps < np.finfo(np.float64).eps:
@@ -142,14 +142,8 @@ def test_cuda_nchw_in_place(dtype: torch.dtype, rms: bool) -> None:
     from test_strided import _copies
 
     for shape in ((2, 7, 1, 5), (3, 96, 9, 37), (1, 769, 3, 11), (8, 64, 56, 56)):
-        x, w, b, grad = (t if t is None else t.cuda() for t in _inputs(shape, dtype, dtype, True, rms, seed=shape[1]))
-        got = _run(lambda *a: _ours(*a, rms), [x, w, b], grad)
-        aten = _run(lambda *a: _timm(*a, rms), [x, w, b], grad)
-        wide = [t if t is None else t.double() for t in (x, w, b)]
-        reference = _run(lambda *a: _timm(*a, rms), wide, grad.double())
-        for name, g, a, r in zip(["out", "grad_input", "grad_weight", "grad_bias"], got, aten, reference):
-            assert_no_worse_than_aten(g, a, r, f"{name} {shape} {dtype}")
-        assert got[0].is_contiguous() and got[1].is_contiguous(), (got[0].stride(), got[1].stride())
+        _check_against_aten(shape, dtype, dtype, affine=True, rms=rms, seed=shape[1], device="cuda")
+        x, w, b, grad = _inputs(shape, dtype, dtype, True, rms, seed=shape[1], device="cuda")
         with torch.no_grad():
             assert _copies(lambda: _ours(x, w, b, rms)) == []
         xl, wl, bl = (t if t is None else t.detach().requires_grad_() for t in (x, w, b))
