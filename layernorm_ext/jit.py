@@ -12,7 +12,10 @@ The CUDA kernels are part of the build when torch has CUDA, a toolkit is found, 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
+from collections.abc import Iterator
 from types import ModuleType
 
 from ._sources import (
@@ -76,6 +79,29 @@ def build_arguments(with_cuda: bool, verbose: bool = False) -> dict[str, object]
     }
 
 
+@contextlib.contextmanager
+def build_lock(build_directory: str) -> Iterator[None]:
+    """Serialize the builds in ``build_directory`` with an flock and clear a stale torch baton under it.
+
+    cpp_extension.load marks a build in progress with a ``lock`` file that only the building process removes: a
+    build killed (SIGKILL, OOM) leaves it behind and every later load waits on it forever (a CI run hung 90
+    minutes on one). An flock is released with its holder, so once it is held no build of ours is in progress
+    and a ``lock`` file left there is stale."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: torch's baton alone
+        yield
+        return
+    os.makedirs(build_directory, exist_ok=True)
+    with open(os.path.join(build_directory, "layernorm_ext.flock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        baton = os.path.join(build_directory, "lock")
+        if os.path.exists(baton):
+            warnings.warn(f"layernorm_ext: removing {baton}, left behind by a build that did not finish", stacklevel=3)
+            os.remove(baton)
+        yield
+
+
 def build_and_load(verbose: bool | None = None) -> ModuleType:
     """Compile (or reuse the cached build of) the native library and load it into this process: for the
     package's loader (layernorm_ext/_loader.py), which makes sure no other copy is loaded.
@@ -95,4 +121,6 @@ def build_and_load(verbose: bool | None = None) -> ModuleType:
 
     if verbose is None:
         verbose = os.environ.get("LAYERNORM_EXT_VERBOSE", "0") == "1"
-    return cpp_extension.load(**build_arguments(with_cuda, verbose))
+    arguments = build_arguments(with_cuda, verbose)
+    with build_lock(cpp_extension._get_build_directory(str(arguments["name"]), verbose=False)):
+        return cpp_extension.load(**arguments)

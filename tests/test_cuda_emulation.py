@@ -17,6 +17,7 @@ while rows beyond 16 blocks (2^20 bfloat16) or its quantized and float64 variant
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -48,21 +49,28 @@ def build_emulation() -> ModuleType:
 
     nvcc contracts a * b + c into one fused multiply-add wherever it can (--fmad=true, its default), and
     rounding errors differ with and without it; where the CPU has FMA the host build contracts the same way,
-    so that the emulation's errors resemble the GPU's."""
+    so that the emulation's errors resemble the GPU's. The build lives in the checkout, not in the user's
+    extension cache: a fresh clone builds afresh, whatever that cache holds."""
     from torch.utils.cpp_extension import load
 
+    from layernorm_ext.jit import build_lock
+
     fma = ["-mfma", "-ffp-contract=fast"] if _cpu_has_fma() else []
-    return load(
-        name="layernorm_ext_cuda_emulation" + ("_fma" if fma else ""),
-        sources=[
-            str(REPO / "tests" / "cuda_emulation" / "emulated_ops.cpp"),
-            str(REPO / "csrc" / "norm_ops.cpp"),
-            str(REPO / "csrc" / "norm_checks.cpp"),
-        ],
-        extra_cflags=["-O1", "-Wno-unknown-pragmas", "-DLAYERNORM_EXT_CUDA_EMULATION", *fma],
-        extra_include_paths=[str(REPO / "tests" / "cuda_emulation")],
-        verbose=os.environ.get("LAYERNORM_EXT_VERBOSE", "0") == "1",
-    )
+    name = "layernorm_ext_cuda_emulation" + ("_fma" if fma else "")
+    build_dir = REPO / "build" / f"{name}-py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    with build_lock(str(build_dir)):
+        return load(
+            name=name,
+            build_directory=str(build_dir),
+            sources=[
+                str(REPO / "tests" / "cuda_emulation" / "emulated_ops.cpp"),
+                str(REPO / "csrc" / "norm_ops.cpp"),
+                str(REPO / "csrc" / "norm_checks.cpp"),
+            ],
+            extra_cflags=["-O1", "-Wno-unknown-pragmas", "-DLAYERNORM_EXT_CUDA_EMULATION", *fma],
+            extra_include_paths=[str(REPO / "tests" / "cuda_emulation")],
+            verbose=os.environ.get("LAYERNORM_EXT_VERBOSE", "0") == "1",
+        )
 
 
 @pytest.fixture(scope="module")

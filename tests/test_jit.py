@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,6 +281,41 @@ def _assert_exited_cleanly(proc: subprocess.CompletedProcess[str], last_line: st
     assert proc.returncode == 0 and proc.stdout.strip().endswith(last_line), (
         f"exit status {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     )
+
+
+def test_build_lock_clears_a_killed_builds_baton(tmp_path: Path) -> None:
+    """A build killed with its torch baton (``lock``) held left every later cpp_extension.load waiting forever
+    (CI hung on one); build_lock removes it, with a warning, once no build of ours holds the flock."""
+    from torch.utils.file_baton import FileBaton
+
+    killed = subprocess.run(
+        [sys.executable, "-c", "import os, sys; from torch.utils.file_baton import FileBaton\n"
+         "assert FileBaton(os.path.join(sys.argv[1], 'lock')).try_acquire(); os._exit(9)", str(tmp_path)],
+        capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert killed.returncode == 9 and (tmp_path / "lock").exists(), killed.stderr
+    with pytest.warns(UserWarning, match="left behind by a build that did not finish"):
+        with layernorm_ext.jit.build_lock(str(tmp_path)):
+            assert FileBaton(str(tmp_path / "lock")).try_acquire()
+
+
+def test_build_lock_waits_for_a_live_build(tmp_path: Path) -> None:
+    """A build in progress (flock and baton held) is waited for, its baton left alone (removing it would warn)."""
+    code = (
+        "import os, sys, time; from layernorm_ext.jit import build_lock; from torch.utils.file_baton import FileBaton\n"
+        "with build_lock(sys.argv[1]):\n"
+        "    baton = FileBaton(os.path.join(sys.argv[1], 'lock')); assert baton.try_acquire()\n"
+        "    print('building', flush=True); time.sleep(2); baton.release()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "building\n"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with layernorm_ext.jit.build_lock(str(tmp_path)):
+                assert not (tmp_path / "lock").exists()
+    finally:
+        child.kill()
+        child.communicate()
 
 
 def test_readme_jit_example_with_prebuilt_raises(tmp_path: Path) -> None:
