@@ -279,7 +279,7 @@ def _plan(**kwargs):
         ("bfloat16", 4096, "forward_rows_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, false, 8, 4, false>", 128, 1, 4),
         ("bfloat16", 5125, "forward_long_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, false, 1>", 512, 1, 0),
         ("float32", 16384, "forward_rows_kernel<float, float, float, false, 4, 8, false>", 512, 1, 8),
-        ("float32", 7, "forward_rows_kernel<float, float, float, false, 1, 2, false>", 4, 32, 2),
+        ("float32", 7, "forward_rows_kernel<float, float, float, false, 1, 4, false>", 4, 32, 4),  # 4 packs at least
         ("bfloat16", 65536, "forward_long_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, false, 8>", 512, 1, 0),
     ],
 )

@@ -55,15 +55,15 @@ struct RowPlan {
   int packs = 0;           // packs per lane (register paths)
 };
 
-// Choose the register mapping for rows of `units` packs, with at most max_packs packs per lane; a long path
-// when even kMaxRowThreads lanes cannot hold the row.
-inline RowPlan plan_rows(int64_t units, int max_packs) {
+// Choose the register mapping for rows of `units` packs, with min_packs to max_packs packs per lane (min_packs
+// at most 4); a long path when even kMaxRowThreads lanes cannot hold the row.
+inline RowPlan plan_rows(int64_t units, int max_packs, int min_packs = 1) {
   RowPlan plan;
   const int small_packs = std::min(max_packs, 4);
   if (units <= 32 * small_packs) {
     int lanes = 4;
     while (lanes < 32 && static_cast<int64_t>(lanes) * small_packs < units) lanes *= 2;
-    int packs = 1;
+    int packs = min_packs;
     while (static_cast<int64_t>(packs) * lanes < units) packs *= 2;
     plan.lanes = lanes;
     plan.packs = packs;
@@ -72,7 +72,7 @@ inline RowPlan plan_rows(int64_t units, int max_packs) {
   }
   int64_t best_waste = -1;
   for (int packs : {4, 2, 8, 1}) {  // ties go to the earlier entry: 4 packs balance registers and lanes
-    if (packs > max_packs) continue;
+    if (packs > max_packs || packs < min_packs) continue;
     const int64_t lanes = (units + packs - 1) / packs;
     const int64_t lanes_rounded = (lanes + 31) / 32 * 32;
     if (lanes_rounded > kMaxRowThreads) continue;
@@ -106,6 +106,18 @@ constexpr int max_packs(bool backward) {
   const int packs = values / kVec;
   const int cap = kVec == 1 ? 4 : 8;  // element-wise accesses: 8 separate 64-bit addresses per array spill
   return packs < cap ? packs : cap;
+}
+
+// The fewest packs per lane of the forward's register path: 4 (1 for widened rows), so that its variants are 4
+// and 8 packs where the plain and quantized kernels had 1, 2, 4, 8 (the quantized one takes the plain one's
+// mapping, for the plain output's bits). Those were a third of the bf16 file's compile time (nvcc sm_90, the
+// quantized variants alone: 251 -> 170 CPU seconds). Every audited size took 4 or 8 already; bf16 rows of 1536,
+// 2560 or 3584 elements (2 packs before) now leave 25, 17 or 12% of their lanes' slots idle, and rows of 64
+// bf16 elements or fewer more.
+template <typename Tin, typename Th, int kVec>
+constexpr int min_forward_packs() {
+  constexpr int kMax = max_packs<Tin, Th, kVec>(false);
+  return kMax < 4 ? kMax : 4;
 }
 
 // Packs per lane of the backward on a cluster: half the register path's where it holds 4 or more (float rows and
@@ -142,15 +154,23 @@ inline int device_attribute(cudaDeviceAttr attr) {
 
 inline int64_t grid_for(int64_t groups) { return std::max<int64_t>(1, std::min<int64_t>(groups, 1 << 30)); }
 
-template <int kMaxPacks, typename F>
+// Calls f(packs as a type) for the plan's packs per lane, the kernels' counts being the powers of two from
+// kMinPacks to kMaxPacks.
+template <int kMaxPacks, int kMinPacks = 1, typename F>
 void with_packs(int packs, F&& f) {
-  switch (packs) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: if constexpr (kMaxPacks >= 2) { f(std::integral_constant<int, 2>{}); break; } [[fallthrough]];
-    case 4: if constexpr (kMaxPacks >= 4) { f(std::integral_constant<int, 4>{}); break; } [[fallthrough]];
-    case 8: if constexpr (kMaxPacks >= 8) { f(std::integral_constant<int, 8>{}); break; } [[fallthrough]];
-    default: TORCH_INTERNAL_ASSERT(false, "layernorm_ext: no kernel for ", packs, " packs per lane");
-  }
+  auto call = [&](auto count) {
+    constexpr int kCount = decltype(count)::value;
+    if constexpr (kCount >= kMinPacks && kCount <= kMaxPacks) {
+      if (packs != kCount) return false;
+      f(count);
+      return true;
+    } else {
+      return false;
+    }
+  };
+  const bool called = call(std::integral_constant<int, 1>{}) || call(std::integral_constant<int, 2>{}) ||
+                      call(std::integral_constant<int, 4>{}) || call(std::integral_constant<int, 8>{});
+  TORCH_INTERNAL_ASSERT(called, "layernorm_ext: no kernel for ", packs, " packs per lane");
 }
 
 // The current device's limits, asked only when a plan needs them.
@@ -210,7 +230,7 @@ template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, bool kQua
 LaunchPlan plan_forward_vec(int64_t rows, int64_t cols, const DeviceLimits& device) {
   using A = acc_t<Th>;
   constexpr int kMax = max_packs<Tin, Th, kVec>(false);
-  const RowPlan rows_plan = plan_rows(cols / kVec, kMax);
+  const RowPlan rows_plan = plan_rows(cols / kVec, kMax, min_forward_packs<Tin, Th, kVec>());
   LaunchPlan plan;
   plan.vec = kVec;
   if (!rows_plan.long_path) {
@@ -369,7 +389,7 @@ bool launch_forward_vec(const NormForwardParams& p, bool strided, cudaStream_t s
         LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a);
       }
     };
-    with_packs<kMax>(plan.packs, [&](auto packs) {
+    with_packs<kMax, min_forward_packs<Tin, Th, kVec>()>(plan.packs, [&](auto packs) {
       if (p.residual != nullptr) launch_rows(packs, std::true_type{});
       else launch_rows(packs, std::false_type{});
     });
