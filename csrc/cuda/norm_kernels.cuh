@@ -108,12 +108,12 @@ constexpr int max_packs(bool backward) {
   return packs < cap ? packs : cap;
 }
 
-// The fewest packs per lane of the forward's register path: 4 (1 for widened rows), so that its variants are 4
-// and 8 packs where the plain and quantized kernels had 1, 2, 4, 8 (the quantized one takes the plain one's
-// mapping, for the plain output's bits). Those were a third of the bf16 file's compile time (nvcc sm_90, the
-// quantized variants alone: 251 -> 170 CPU seconds). Every audited size took 4 or 8 already; bf16 rows of 1536,
-// 2560 or 3584 elements (2 packs before) now leave 25, 17 or 12% of their lanes' slots idle, and rows of 64
-// bf16 elements or fewer more.
+// The fewest packs per lane of the forward's register path: 4 (max_packs where that is fewer: widened rows), so
+// that its variants are 4 and 8 packs where the plain and quantized kernels had 1, 2, 4, 8 (the quantized one
+// takes the plain one's mapping, for the plain output's bits). Those were 29% of the bf16 file's compile time
+// (nvcc sm_90: 251 -> 177 CPU seconds). Every audited size took 4 or 8 already; bf16 rows of 1536, 2560 or 3584
+// elements (2 packs before) now leave 25, 17 or 12% of their lanes' slots idle, and rows of 64 bf16 elements or
+// fewer more.
 template <typename Tin, typename Th, int kVec>
 constexpr int min_forward_packs() {
   constexpr int kMax = max_packs<Tin, Th, kVec>(false);
