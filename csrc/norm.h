@@ -204,7 +204,7 @@ bool can_save_output(const Tensor& input, const OptTensor& weight, const OptTens
 namespace cpu {
 void forward(const NormForwardParams& p);
 void backward(const NormBackwardParams& p);
-const char* isa_name();                   // instruction set the CPU kernels use: scalar, avx2 or avx512
+const char* isa_name();                   // instruction set the CPU kernels use: scalar, avx2, avx512 or avx512_bf16
 std::vector<std::string> supported_isas();  // those this CPU can run, best first
 std::string set_isa(const std::string& isa);  // switch (tests, benchmarks); returns the previous one
 int64_t scratch_bytes();  // bytes of per-thread scratch the CPU kernels keep between calls (all threads)

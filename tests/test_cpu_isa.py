@@ -42,7 +42,7 @@ def test_environment_forces_an_isa(isa: str) -> None:
 def test_environment_rejects_unknown_isa() -> None:
     proc = _isa_in_subprocess("sse9")
     assert proc.returncode != 0
-    assert "LAYERNORM_EXT_CPU_ISA must be one of scalar, avx2, avx512, but got 'sse9'" in proc.stderr
+    assert "LAYERNORM_EXT_CPU_ISA must be one of scalar, avx2, avx512, avx512_bf16, but got 'sse9'" in proc.stderr
 
 
 def test_set_cpu_isa_rejects_unknown_and_restores() -> None:
@@ -81,6 +81,57 @@ def test_paths_agree_closely(dtype: torch.dtype) -> None:
         for got, want in zip(results[isa], results[CPU_ISAS[0]]):
             tolerance = 2 * ulp * float(want.abs().max())
             assert float((got - want).abs().max()) <= tolerance, isa
+
+
+def _bf16(bits: list[int]) -> torch.Tensor:
+    return torch.tensor(bits, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def _rounding_cases() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, r (4 rows of 80: five vectors of 16, so the tail path too) and a weight whose float sums, products and
+    normalized values hit every rounding case: ties both ways, subnormal sums (exact in bfloat16, flushed to 0 by
+    vcvtneps2bf16), infinities, NaNs with payloads, and random values."""
+    gen = torch.Generator().manual_seed(3)
+    n = 80
+    x = torch.randn(4, n, generator=gen).to(torch.bfloat16)
+    r = torch.randn(4, n, generator=gen).to(torch.bfloat16)
+    k = torch.arange(n, dtype=torch.float32)
+    x[1] = (1.0 + k * 2.0**-7).to(torch.bfloat16)  # + 2^-8: halfway between two bfloat16s, odd and even
+    r[1] = 2.0**-8
+    x[2] = (k * 2.0**-133).to(torch.bfloat16)  # subnormal bfloat16 values, and their sums
+    r[2] = 2.0**-131
+    x[3, :8] = _bf16([0x7F80, 0xFF80, 0x7F81, 0xFFC3, 0x7FFF, 0x0001, 0x8001, 0x007F])
+    r[3, :8] = 0.0
+    weight = torch.randn(n, generator=gen).to(torch.bfloat16)
+    weight[::3] = _bf16([0x0003, 0x8011, 0x0070] * (n // 9) + [0x0001] * (len(weight[::3]) - 3 * (n // 9)))
+    return x, r, weight
+
+
+@pytest.mark.skipif("avx512_bf16" not in CPU_ISAS, reason="the CPU lacks AVX512_BF16")
+def test_avx512_bf16_rounds_as_the_integer_path() -> None:
+    """avx512_bf16 is the AVX-512 copy rounding float -> bfloat16 with vcvtneps2bf16: the same bits as its integer
+    rounding (and, but for NaN bits, torch's) on ties, subnormals (which that instruction flushes: those vectors take the integer
+    path), NaN payloads and infinities, in the residual output, the normalized output and the backward's dx. The
+    numerics sweep runs one of the two (conftest.SWEEP_ISAS); this compares them."""
+    x, r, weight = _rounding_cases()
+    results = {}
+    previous = native.set_cpu_isa("avx512_bf16")
+    try:
+        for isa in ("avx512_bf16", "avx512"):
+            native.set_cpu_isa(isa)
+            xg = x.clone().requires_grad_()
+            out, h = layernorm_ext.add_rms_norm(xg, r, x.shape[-1], weight)
+            (out.float() * torch.linspace(-1e-36, 1e-36, x.numel()).view_as(out)).nansum().backward()
+            results[isa] = [t.detach().view(torch.int16) for t in (out, h, xg.grad)]
+    finally:
+        native.set_cpu_isa(previous)
+    for name, got, want in zip(("out", "residual_out", "dx"), results["avx512_bf16"], results["avx512"]):
+        assert torch.equal(got, want), name
+    # torch's bits where the sum is a number (its vectorized rounding writes 0xffff for every NaN; ours keeps the
+    # payload, quieted, as its scalar c10::BFloat16 rounding does).
+    torch_sum = x.float() + r.float()
+    number = ~torch_sum.isnan()
+    assert torch.equal(results["avx512_bf16"][1][number], torch_sum.to(torch.bfloat16).view(torch.int16)[number])
 
 
 def test_wide_call_keeps_no_wide_scratch() -> None:

@@ -61,24 +61,25 @@ bool cpu_has(const char* isa) {
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   if (name == "avx2") return avx2;
-  if (name == "avx512") {
-    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  }
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (name == "avx512") return avx512;
+  if (name == "avx512_bf16") return avx512 && __builtin_cpu_supports("avx512bf16");
 #endif
   return false;
 }
 
+// avx512_bf16 is the AVX-512 copy rounding float -> bfloat16 with AVX512_BF16 (RowKernels::set_native_bf16).
 const RowKernels* kernels_for(const std::string& isa) {
 #if defined(__x86_64__) || defined(__i386__)
-  if (isa == "avx512") return &avx512_row_kernels();
+  if (isa == "avx512" || isa == "avx512_bf16") return &avx512_row_kernels();
   if (isa == "avx2") return &avx2_row_kernels();
 #endif
   if (isa == "scalar") return &portable_row_kernels();
   return nullptr;
 }
 
-constexpr const char* kIsaOrder[] = {"avx512", "avx2", "scalar"};
+constexpr const char* kIsaOrder[] = {"avx512_bf16", "avx512", "avx2", "scalar"};
 
 std::string best_isa() {
   for (const char* isa : kIsaOrder) {
@@ -92,8 +93,8 @@ std::string initial_isa() {
   const char* requested = std::getenv("LAYERNORM_EXT_CPU_ISA");
   if (requested == nullptr || *requested == '\0') return best_isa();
   const std::string want(requested);
-  TORCH_CHECK(want == "scalar" || want == "avx2" || want == "avx512",
-              "LAYERNORM_EXT_CPU_ISA must be one of scalar, avx2, avx512, but got '", want, "'");
+  TORCH_CHECK(want == "scalar" || want == "avx2" || want == "avx512" || want == "avx512_bf16",
+              "LAYERNORM_EXT_CPU_ISA must be one of scalar, avx2, avx512, avx512_bf16, but got '", want, "'");
   if (cpu_has(want.c_str())) return want;
   const std::string fallback = best_isa();
   TORCH_WARN("LAYERNORM_EXT_CPU_ISA=", want, ": this CPU lacks it; using ", fallback);
@@ -102,10 +103,20 @@ std::string initial_isa() {
 
 std::mutex isa_mutex;
 const RowKernels* active = nullptr;
+const char* active_name = nullptr;  // kIsaOrder's entry
+
+// Callers hold isa_mutex.
+void activate(const std::string& isa) {
+  for (const char* name : kIsaOrder) {
+    if (isa == name) active_name = name;
+  }
+  active = kernels_for(isa);
+  active->set_native_bf16(isa == "avx512_bf16");
+}
 
 const RowKernels& kernels() {
   std::lock_guard<std::mutex> lock(isa_mutex);
-  if (active == nullptr) active = kernels_for(initial_isa());
+  if (active == nullptr) activate(initial_isa());
   return *active;
 }
 
@@ -395,7 +406,10 @@ void forward_with(const NormForwardParams& p, const RowKernels& k) {
 
 }  // namespace
 
-const char* isa_name() { return kernels().isa; }
+const char* isa_name() {
+  kernels();
+  return active_name;
+}
 
 int64_t scratch_bytes() { return kept_scratch_bytes.load(); }
 
@@ -409,11 +423,11 @@ std::vector<std::string> supported_isas() {
 
 std::string set_isa(const std::string& isa) {
   TORCH_CHECK(kernels_for(isa) != nullptr, "layernorm_ext: unknown CPU instruction set '", isa,
-              "' (expected scalar, avx2 or avx512)");
+              "' (expected scalar, avx2, avx512 or avx512_bf16)");
   TORCH_CHECK(cpu_has(isa.c_str()), "layernorm_ext: this CPU does not support ", isa);
   const std::string previous = isa_name();
   std::lock_guard<std::mutex> lock(isa_mutex);
-  active = kernels_for(isa);
+  activate(isa);
   return previous;
 }
 

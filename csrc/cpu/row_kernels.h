@@ -122,6 +122,9 @@ struct RowKernels {
   BackwardSegmentApplyFn (*backward_segment_apply)(Dtype saved, Dtype grad_out);
   ForwardColumnsFn (*forward_columns)(Dtype src, Dtype out);
   BackwardColumnsFn (*backward_columns)(Dtype saved, Dtype grad_out);
+  // Round float -> bfloat16 with AVX512_BF16 (on) or integer arithmetic (off, the default): the same bits. Only
+  // the AVX-512 copy has the instruction; the others ignore it. Call it only on a CPU that has it.
+  void (*set_native_bf16)(bool on);
 };
 
 const RowKernels& portable_row_kernels();

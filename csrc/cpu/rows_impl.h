@@ -1,7 +1,7 @@
 // Row kernels for LayerNorm and RMSNorm (a runtime flag), forward and backward, every dtype pair: one
 // templated body, compiled once per instruction set. The including file (rows_<isa>.cpp) defines first:
 //   LNX_ISA_NS       namespace for this copy (its symbols never meet another ISA's at link time)
-//   LNX_ISA_NAME     "scalar" | "avx2" | "avx512"
+//   LNX_ISA_NAME     "scalar" | "avx2" | "avx512" (also "avx512_bf16": this copy with set_native_bf16 on)
 //   LNX_FLOAT_LANES  floats per vector: 4 (SSE2 baseline) | 8 | 16
 //   LNX_F16C         1 where vcvtph2ps / vcvtps2ph may be used
 //   LNX_ENTRY        name of the function returning this copy's RowKernels
@@ -240,6 +240,8 @@ BackwardColumnsFn lookup_backward_columns(Dtype saved, Dtype grad_out) {
   return kBackwardColumnsTable[pair_index(saved, grad_out)];
 }
 
+void set_native_bf16(bool on) { native_bf16 = on && kFloatLanes == 16; }
+
 }  // namespace
 }  // namespace LNX_ISA_NS
 
@@ -257,7 +259,8 @@ const RowKernels& LNX_ENTRY() {
                                   &LNX_ISA_NS::lookup_backward_segment_sums,
                                   &LNX_ISA_NS::lookup_backward_segment_apply,
                                   &LNX_ISA_NS::lookup_forward_columns,
-                                  &LNX_ISA_NS::lookup_backward_columns};
+                                  &LNX_ISA_NS::lookup_backward_columns,
+                                  &LNX_ISA_NS::set_native_bf16};
   return kernels;
 }
 

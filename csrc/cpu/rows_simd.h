@@ -160,6 +160,10 @@ inline void store_floats(float* p, typename FloatN<N>::type v) {
   std::memcpy(p, &v, sizeof v);
 }
 
+// Whether float -> bfloat16 rounds with AVX512_BF16's vcvtneps2bf16 (16-lane copy only): set through LNX_ENTRY's
+// set_native_bf16 by the dispatcher, only where the CPU has it (instruction set "avx512_bf16").
+bool native_bf16 = false;
+
 // float -> bfloat16, round to nearest even, NaN kept quiet: (bits + 0x7fff + lsb) >> 16.
 inline uint16_t float_to_bf16(float f) {
   uint32_t bits;
@@ -173,6 +177,15 @@ inline void store_floats(bf16* p, typename FloatN<N>::type v) {
   if constexpr (N == 16) {
     __m512 f;
     std::memcpy(&f, &v, 64);
+    // vcvtneps2bf16 rounds as below, one instruction for nine, but flushes float subnormals (fpclass 0x20) to
+    // zero: a vector holding one takes the integer rounding. Inline asm: this copy's target lacks avx512bf16,
+    // as it runs on AVX-512 CPUs without it too.
+    if (native_bf16 && _mm512_fpclass_ps_mask(f, 0x20) == 0) {
+      __m256i packed;
+      asm("vcvtneps2bf16 %1, %0" : "=v"(packed) : "v"(f));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+      return;
+    }
     const __m512i bits = _mm512_castps_si512(f);
     const __m512i high = _mm512_srli_epi32(bits, 16);
     const __m512i bias = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
