@@ -13,16 +13,20 @@ namespace cpu {
 namespace LNX_ISA_NS {
 namespace {
 
+// body(src, dst, cols) on each row of a contiguous [rows, cols] pair.
+template <class T, class Body>
+void each_row(const T* x, T* out, int64_t rows, int64_t cols, Body body) {
+  for (int64_t row = 0; row < rows; ++row) body(x + row * cols, out + row * cols, cols);
+}
+
 // One pass per row: out = x, each vector loaded and converted to float, then converted and stored.
 template <class T>
 void convert_rows(const T* x, T* out, int64_t rows, int64_t cols) {
   using C = ComputeOf<T>;
   constexpr int64_t L = kLanes<C>;
-  for (int64_t row = 0; row < rows; ++row) {
-    const T* src = x + row * cols;
-    T* dst = out + row * cols;
-    for (int64_t j = 0; j < cols; j += L) store_at<C>(dst, j, min64(L, cols - j), load_at<C>(src, j, min64(L, cols - j)));
-  }
+  each_row(x, out, rows, cols, [](const T* src, T* dst, int64_t n) {
+    for (int64_t j = 0; j < n; j += L) store_at<C>(dst, j, min64(L, n - j), load_at<C>(src, j, min64(L, n - j)));
+  });
 }
 
 // A norm's two passes with the least arithmetic: a sum per row (one add a vector, four accumulators), then the
@@ -31,19 +35,18 @@ template <class T>
 void two_pass_rows(const T* x, T* out, int64_t rows, int64_t cols) {
   using C = ComputeOf<T>;
   constexpr int64_t L = kLanes<C>;
-  for (int64_t row = 0; row < rows; ++row) {
-    const T* src = x + row * cols;
-    T* dst = out + row * cols;
+  each_row(x, out, rows, cols, [](const T* src, T* dst, int64_t n) {
     Vec<C> acc[4] = {};
     int64_t j = 0;
-    for (; j + 4 * L <= cols; j += 4 * L) {
+    for (; j + 4 * L <= n; j += 4 * L) {
       for (int a = 0; a < 4; ++a) acc[a] += load<C>(src + j + a * L);
     }
-    for (; j < cols; j += L) acc[0] += load_at<C>(src, j, min64(L, cols - j));
+    for (; j < n; j += L) acc[0] += load_at<C>(src, j, min64(L, n - j));
     const double sum = horizontal_sum(widen<C>((acc[0] + acc[1]) + (acc[2] + acc[3])));
-    const Vec<C> scale = broadcast<C>(static_cast<C>(static_cast<double>(cols) / (static_cast<double>(cols) + __builtin_fabs(sum))));
-    for (j = 0; j < cols; j += L) store_at<C>(dst, j, min64(L, cols - j), load_at<C>(src, j, min64(L, cols - j)) * scale);
-  }
+    const Vec<C> scale =
+        broadcast<C>(static_cast<C>(static_cast<double>(n) / (static_cast<double>(n) + __builtin_fabs(sum))));
+    for (j = 0; j < n; j += L) store_at<C>(dst, j, min64(L, n - j), load_at<C>(src, j, min64(L, n - j)) * scale);
+  });
 }
 
 }  // namespace
