@@ -332,7 +332,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "autograd's choice; for the CUDA emulation tests)");
   module.def("set_cpu_isa", &layernorm_ext::cpu::set_isa, pybind11::arg("isa"),
              "Use the CPU kernels of another instruction set (scalar, avx2, avx512; avx512_bf16: avx512 rounding "
-             "to bfloat16 with AVX512_BF16) from now on; returns the previous one. For tests and benchmarks; LAYERNORM_EXT_CPU_ISA chooses it at load time.");
+             "to bfloat16 with AVX512_BF16) from now on; returns the previous one. For tests and benchmarks; "
+             "LAYERNORM_EXT_CPU_ISA chooses it at load time.");
 #ifdef LAYERNORM_EXT_WITH_CUDA
   module.def("cuda_launch_plan", &cuda_launch_plan, pybind11::arg("op"), pybind11::arg("direction"),
              pybind11::arg("input_dtype"), pybind11::arg("rows"), pybind11::arg("cols"), pybind11::arg("sm_count"),

@@ -110,9 +110,9 @@ def _rounding_cases() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 @pytest.mark.skipif("avx512_bf16" not in CPU_ISAS, reason="the CPU lacks AVX512_BF16")
 def test_avx512_bf16_rounds_as_the_integer_path() -> None:
     """avx512_bf16 is the AVX-512 copy rounding float -> bfloat16 with vcvtneps2bf16: the same bits as its integer
-    rounding (and, but for NaN bits, torch's) on ties, subnormals (which that instruction flushes: those vectors take the integer
-    path), NaN payloads and infinities, in the residual output, the normalized output and the backward's dx. The
-    numerics sweep runs one of the two (conftest.SWEEP_ISAS); this compares them."""
+    rounding (and, but for NaN bits, torch's) on ties, subnormals (which that instruction flushes: those vectors
+    take the integer path), NaN payloads and infinities, in the residual output, the normalized output and the
+    backward's dx. The numerics sweep runs one of the two (conftest.SWEEP_ISAS); this compares them."""
     x, r, weight = _rounding_cases()
     results = {}
     previous = native.set_cpu_isa("avx512_bf16")

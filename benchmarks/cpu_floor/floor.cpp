@@ -32,7 +32,8 @@ void run_floor(const std::string& kind, const std::string& isa, const torch::Ten
     layernorm_ext::cpu::isa_avx2::floor_loop(k, dtype, false, x.data_ptr(), out.data_ptr(), rows, cols);
   } else {
     TORCH_CHECK(isa == "avx512" || isa == "avx512_bf16", "isa: avx2, avx512 or avx512_bf16");
-    layernorm_ext::cpu::isa_avx512::floor_loop(k, dtype, isa == "avx512_bf16", x.data_ptr(), out.data_ptr(), rows, cols);
+    const bool native = isa == "avx512_bf16";
+    layernorm_ext::cpu::isa_avx512::floor_loop(k, dtype, native, x.data_ptr(), out.data_ptr(), rows, cols);
   }
 }
 
