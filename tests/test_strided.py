@@ -530,8 +530,8 @@ def test_replace_norms_on_channels_first_norms() -> None:
         assert_no_worse_than_aten(model(x), expected, reference, "replaced model")
 
 
-# ---- the CUDA kernels (host emulation): strided rows in place on the register paths (StridedRows), copied around the
-# long paths and the quantized output (csrc/norm_ops.cpp, launch_on_rows) ------------------------------------------
+# ---- the CUDA kernels (host emulation): strided rows in place on the register paths (StridedRows, residual
+# included), copied around the long paths and the quantized output (csrc/norm_ops.cpp, launch_on_rows) --------------
 @pytest.fixture(scope="module")
 def emulated():  # noqa: ANN201 (the JIT-built module)
     from test_cuda_emulation import build_emulation
@@ -601,25 +601,23 @@ def _aligned_buffer_view(layout: str, d: int, dtype: torch.dtype) -> tuple[Tenso
 @pytest.mark.parametrize("d", (64, 128, 769))
 @pytest.mark.parametrize("layout", ["qkv", "slice", "transposed", "expanded"])
 def test_emulated_register_paths_take_strided_rows_in_place(emulated, layout: str, d: int, dtype: torch.dtype) -> None:  # noqa: ANN001
-    """QK-norm's head_dim (64, 128) and an odd width (single elements): forward (into strided destinations too)
-    and backward with strided grad_out and saved, without a copy (the profiler), and the same bits as on the
-    contiguous copies. With a residual (forward or backward) the rows are copied (kernel variants left out), with
-    the same bits (in place: the test above)."""
+    """QK-norm's head_dim (64, 128) and an odd width (single elements): forward (into strided destinations too,
+    with a residual, h in float32 or in place over the residual) and backward with strided grad_out, saved and
+    grad_residual_out, without a copy (the profiler), and the same bits as on the contiguous copies."""
     x = _aligned_view(layout, d, dtype, seed=d)
     residual = _aligned_view("qkv" if layout != "qkv" else "transposed", d, dtype, seed=d + 1)
     weight, bias = _params(d, dtype, rms=False)
-    for args in ((None,), (residual,)):
-        fwd = lambda t, *r: emulated.layer_norm_fwd(t, [d], weight, bias, 1e-5, *r, False)  # noqa: E731
-        copies = _copies(lambda: fwd(x, *args))
-        assert (copies == []) == (args[0] is None), f"layer_norm_fwd residual={args[0] is not None}: {copies}"
-        expected = fwd(x.contiguous(), *(a if a is None else a.contiguous() for a in args))
+    for args in ((None, False), (residual, False), (residual, True)):
+        fwd = lambda t, r, fp32: emulated.layer_norm_fwd(t, [d], weight, bias, 1e-5, r, fp32)  # noqa: E731
+        assert _copies(lambda: fwd(x, *args)) == [], f"layer_norm_fwd residual={args[0] is not None}"
+        expected = fwd(x.contiguous(), None if args[0] is None else args[0].contiguous(), args[1])
         for i, (a, b) in enumerate(zip(fwd(x, *args), expected)):
-            _same_bits(a, b, f"layer_norm_fwd result {i}")
+            _same_bits(a, b, f"layer_norm_fwd result {i}, residual={args[0] is not None}, in fp32={args[1]}")
     _, _, mean, rstd = emulated.layer_norm_fwd(x.contiguous(), [d], weight, bias, 1e-5, None, False)
     grad = _aligned_view("transposed" if layout != "transposed" else "qkv", d, dtype, seed=3)
     bwd = lambda g, t, *r: emulated.layer_norm_bwd(g, t, mean, rstd, [d], weight, bias, False, *r)  # noqa: E731
-    assert _copies(lambda: bwd(grad, x, None)) == [], "layer_norm_bwd"
     for r in (None, residual):
+        assert _copies(lambda: bwd(grad, x, r)) == [], f"layer_norm_bwd grad_residual_out={r is not None}"
         contiguous = bwd(grad.contiguous(), x.contiguous(), None if r is None else r.contiguous())
         for i, (a, b) in enumerate(zip(bwd(grad, x, r), contiguous)):
             _same_bits(a, b, f"layer_norm_bwd result {i}, grad_residual_out={r is not None}")
@@ -632,12 +630,88 @@ def test_emulated_register_paths_take_strided_rows_in_place(emulated, layout: st
         _, out_view = _aligned_buffer_view(layout, d, dtype)
         assert _copies(lambda: emulated.rms_norm_into(x, [d], weight, EPS, out_view, None, None)) == [], "out="
         _same_bits(out_view, emulated.rms_norm_fwd(x.contiguous(), [d], weight, EPS, None, False)[0], "out=")
+        # The in-place residual add: out over the input, h over the residual, both strided.
+        _, x_view = _aligned_buffer_view(layout, d, dtype)
+        _, r_view = _aligned_buffer_view("qkv" if layout != "qkv" else "slice", d, dtype)
+        x_view.copy_(x)
+        r_view.copy_(residual)
+        expected_out, expected_h, _ = emulated.rms_norm_fwd(x.contiguous(), [d], weight, EPS, residual.contiguous(),
+                                                            False)  # fmt: skip
+        assert _copies(lambda: emulated.add_rms_norm_(x_view, r_view, [d], weight, EPS)) == [], "add_rms_norm_"
+        _same_bits(x_view, expected_out, "in-place input")
+        _same_bits(r_view, expected_h, "in-place residual")
+
+
+def _codes_view(layout: str, d: int, quant_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(a zeroed byte storage, a writable (A, B, D) view of it of quant_dtype), for the quantized ops' out=: the codes'
+    rows strided as layout's (NVFP4: D / 2 bytes a row, two codes a byte)."""
+    a, b = _lead(d)
+    width = d // 2 if quant_dtype == torch.float4_e2m1fn_x2 else d
+    if layout == "qkv":
+        storage = torch.zeros(a, 3 * b * width, dtype=torch.uint8)
+        view = storage[:, b * width : 2 * b * width].view(a, b, width)
+    elif layout == "slice":
+        storage = torch.zeros(a, b, width + 16, dtype=torch.uint8)
+        view = storage[..., 16 : 16 + width]
+    else:
+        storage = torch.zeros(b, a, width, dtype=torch.uint8)
+        view = storage.transpose(0, 1)
+    return storage, view.view(quant_dtype)
+
+
+# (quant_dtype, group_size): a dynamic scale per row (vLLM's per-token fp8 / int8), per group, NVFP4's blocks of 16.
+QUANT_FORMATS = ((torch.float8_e4m3fn, 0), (torch.int8, 0), (torch.float8_e4m3fn, 32), (torch.float4_e2m1fn_x2, 16))
+
+
+@pytest.mark.parametrize(("quant_dtype", "group_size"), QUANT_FORMATS,
+                         ids=[f"{str(q)[6:]}-g{g}" for q, g in QUANT_FORMATS])  # fmt: skip
+@pytest.mark.parametrize("dtype", (F32, BF16), ids=str)
+@pytest.mark.parametrize("d", (64, 769))
+@pytest.mark.parametrize("layout", ["qkv", "slice", "transposed", "expanded"])
+def test_emulated_quantized_output_of_strided_rows(
+    emulated, layout: str, d: int, dtype: torch.dtype, quant_dtype: torch.dtype, group_size: int  # noqa: ANN001
+) -> None:
+    """The quantized forward on strided rows: strided input, then (writable layouts) codes into a strided out=, the
+    residual strided and h written over it. The CUDA kernels' quantized variants take packed rows only (their
+    per-group path sets their registers: forward_kernels.cuh, StridedRows), so the rows are copied around them (the
+    profiler sees it), and codes, scales and h are the same bits as on the contiguous copies."""
+    if group_size and d % group_size:
+        pytest.skip("groups must divide the row")
+    x = _aligned_view(layout, d, dtype, seed=d)
+    weight, _ = _params(d, dtype, rms=True)
+    nvfp4 = quant_dtype == torch.float4_e2m1fn_x2
+    scale = torch.tensor([448.0 * 6.0 / 4.0]) if nvfp4 else None  # NVFP4's global scale
+
+    def quant(t: Tensor, residual: Tensor | None = None) -> tuple[Tensor, ...]:
+        return emulated.rms_norm_quant(t, [d], weight, EPS, quant_dtype, scale, None, residual, group_size)
+
+    def as_bytes(t: Tensor) -> Tensor:
+        return t.view(torch.uint8) if t.dtype in (torch.float4_e2m1fn_x2, torch.float8_e4m3fn) else t
+
+    assert _copies(lambda: quant(x)) != [], "rms_norm_quant: copied"
+    for i, (a, b) in enumerate(zip(quant(x), quant(x.contiguous()))):
+        if a is not None:
+            _same_bits(as_bytes(a), as_bytes(b), f"rms_norm_quant result {i}")
+    if layout not in WRITABLE:
+        return
+    residual = _aligned_view("qkv" if layout != "qkv" else "slice", d, dtype, seed=d + 1)
+    expected_codes, expected_scales, expected_h = quant(x.contiguous(), residual.contiguous())
+    storage, out = _codes_view(layout, d, quant_dtype)
+    _, h = _aligned_buffer_view("qkv" if layout != "qkv" else "slice", d, dtype)
+    h.copy_(residual)
+    scales = torch.empty_like(expected_scales)
+    call = lambda: emulated.rms_norm_quant_into(x, [d], weight, EPS, out, scale, scales, h, h,  # noqa: E731
+                                                group_size=group_size)
+    assert _copies(call) != [], "rms_norm_quant_into: copied"
+    _same_bits(as_bytes(out), as_bytes(expected_codes), "codes out=")
+    _same_bits(as_bytes(scales), as_bytes(expected_scales), "scales out=")
+    _same_bits(h, expected_h, "h over the residual")
+    assert int(storage.count_nonzero()) == int(as_bytes(out).count_nonzero()), "bytes written outside out="
 
 
 def test_emulated_strided_rows_copied_beyond_the_register_paths(emulated) -> None:  # noqa: ANN001
     """What the CUDA kernels do not take in place is copied around them (launch_on_rows), with the same bits: rows
-    beyond the registers of a block (the long forward and backward) and the quantized output (and a residual, in
-    the test above)."""
+    beyond the registers of a block (the long forward and backward)."""
     d = 5125  # odd: single elements, beyond 512 lanes x 4
     x = _view("qkv", d, F32, seed=0)
     weight, bias = _params(d, F32, rms=False)
@@ -649,12 +723,6 @@ def test_emulated_strided_rows_copied_beyond_the_register_paths(emulated) -> Non
     assert "aten::copy_" in _copies(lambda: bwd(grad, x))
     for i, (a, b) in enumerate(zip(bwd(grad, x), bwd(grad.contiguous(), x.contiguous()))):
         _same_bits(a, b, f"long backward result {i}")
-    x = _view("qkv", 128, BF16, seed=2)
-    weight, _ = _params(128, BF16, rms=True)
-    quant = lambda t: emulated.rms_norm_quant(t, [128], weight, EPS, torch.int8, None, None, None)  # noqa: E731
-    assert "aten::copy_" in _copies(lambda: quant(x))
-    for i, (a, b) in enumerate(zip(quant(x), quant(x.contiguous()))):
-        _same_bits(a, b, f"quantized result {i}")
 
 
 def _on_cuda(v: Tensor) -> Tensor:
@@ -669,7 +737,8 @@ def _on_cuda(v: Tensor) -> Tensor:
 @pytest.mark.parametrize("layout", ["qkv", "slice", "transposed", "expanded"])
 def test_cuda_register_paths_take_strided_rows_in_place(layout: str, d: int, dtype: torch.dtype) -> None:
     """The emulated test above on a GPU, through the library's ops: QK-norm forward + backward on strided views, no
-    copy (the profiler), and the in-place residual add (copied), the same bits as on contiguous copies."""
+    copy (the profiler), and the in-place residual add on strided input and residual, no copy either, the same bits
+    as on contiguous copies."""
     x = _on_cuda(_aligned_view(layout, d, dtype, seed=d))
     assert x.stride() == _aligned_view(layout, d, dtype, seed=d).stride()
     weight = _params(d, dtype, rms=True)[0].cuda()
@@ -691,7 +760,7 @@ def test_cuda_register_paths_take_strided_rows_in_place(layout: str, d: int, dty
         r_view.normal_()
         r = r_view.clone()
         with torch.no_grad():
-            L.add_rms_norm_(x_view, r_view, d, weight, EPS)
+            assert _copies(lambda: L.add_rms_norm_(x_view, r_view, d, weight, EPS)) == [], "add_rms_norm_"
             out, h = L.add_rms_norm(x.contiguous(), r.contiguous(), d, weight, EPS)
         _same_bits(x_view, out, "in-place input")
         _same_bits(r_view, h, "in-place residual")

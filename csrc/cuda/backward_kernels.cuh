@@ -39,11 +39,12 @@ struct BackwardArgs {
 // The long path's rows' terms, [rows, 4] (mean, delta, mean_g, k), are a kernel argument of their own: one more
 // field in BackwardArgs made ptxas spill 8 bytes in backward_rows_kernel<float, ..., 4, 4> (sm_90).
 
-// Strided rows (issue 24, row_layout.h): grad_out's and saved's rows' layouts, in units (grad_input is packed).
-// Only the register path's kernel variant without grad_residual_out takes it, as an optional trailing parameter
-// (strided rows with one are copied); the packed variants index every operand at row * units.
+// Strided rows (issue 24, row_layout.h): the layouts of the rows read, in units (grad_input is packed). The register
+// path's variant with grad_residual_out always takes it (a contiguous call passes packed layouts), so that it needs
+// no strided twin in the build; the variant without one has a twin that takes it beside its packed one, which
+// indexes every operand at row * units.
 struct StridedGradRows {
-  RowLayout grad_out, saved;
+  RowLayout grad_out, saved, grad_residual_out;
 };
 
 // Where a row of each operand read begins, in units.
@@ -57,7 +58,7 @@ __device__ __forceinline__ GradRowUnits grad_row_units(const BackwardArgs<A>& a,
 }
 template <typename A>
 __device__ __forceinline__ GradRowUnits grad_row_units(const BackwardArgs<A>& a, int64_t row, const StridedGradRows& s) {
-  return {s.grad_out.offset(row), s.saved.offset(row), row * a.units};
+  return {s.grad_out.offset32(row), s.saved.offset32(row), s.grad_residual_out.offset32(row)};
 }
 
 // The row sums of the backward: sum(g), sum(g * d) and, for LayerNorm, sum(d).

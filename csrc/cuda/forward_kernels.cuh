@@ -57,19 +57,22 @@ struct QuantArgs {
   bool swizzled = false;
 };
 
-// Strided rows (issue 24, row_layout.h): input's and out's rows' layouts in units (kVec elements; the launcher
-// checks that the strides are whole units). Only the register path's kernel variant without a residual (h of the
-// input's dtype) takes it, as its optional trailing parameter in place of QuantArgs (strided rows with a residual or
-// a quantized output are copied): the packed variants index every operand at row * units, one product shared by all.
+// Strided rows (issue 24, row_layout.h): each operand's rows' layout in units (kVec elements; the launcher checks
+// that the strides are whole units). The register path's variants with a residual always take it (a contiguous call
+// passes packed layouts: a product per operand and row, where the packed variant shares one), so that they need no
+// strided twins in the build; the plain variant has a twin that takes it beside its packed one, which indexes every
+// operand at row * units. The quantized variants take none (strided rows are copied around them): their per-group
+// path sets their registers, and with strided offsets took up to 28 more (ptxas sm_90, RMSNorm float rows, 4 packs:
+// 82 -> 110, one block per SM where there were two; 54 without the per-group path).
 struct StridedRows {
-  RowLayout input, out;
+  RowLayout input, residual, out, residual_out;
 };
 
 // The kernels' optional trailing parameter (a pack of none or one: QuantArgs or StridedRows), unpacked where there
 // is one.
 __device__ __forceinline__ const QuantArgs& quant_args(const QuantArgs& q) { return q; }
 
-// Where a row of each operand begins, in units (strided rows have no residual: theirs are unused).
+// Where a row of each operand begins, in units.
 struct RowUnits {
   int64_t input, residual, out, residual_out;
 };
@@ -79,9 +82,8 @@ __device__ __forceinline__ RowUnits row_units(const ForwardArgs<A>& a, int64_t r
   return {packed, packed, packed, packed};
 }
 template <typename A>
-__device__ __forceinline__ RowUnits row_units(const ForwardArgs<A>& a, int64_t row, const StridedRows& s) {
-  const int64_t packed = row * a.units;
-  return {s.input.offset(row), packed, s.out.offset(row), packed};
+__device__ __forceinline__ RowUnits row_units(const ForwardArgs<A>&, int64_t row, const StridedRows& s) {
+  return {s.input.offset32(row), s.residual.offset32(row), s.out.offset32(row), s.residual_out.offset32(row)};
 }
 
 // h for one pack: the input, or round_to_Th(input + residual) (written to residual_out), in the compute type.
@@ -425,9 +427,10 @@ constexpr bool early_affine() {
 // computes its output values twice from the registers, folding their absmax (all-reduced over the row) for a
 // dynamic scale, then stores codes.
 // kResidual (a.residual given) is a compile-time flag: the kernel without one keeps no registers for the
-// residual's packs and no branch on it. Extra: none (packed rows), QuantArgs, or StridedRows (input's and out's rows
-// each at its own offset; no residual, no quantized output). Occupancy: one block of kMaxRowThreads per SM at least (128 registers);
-// two (64 registers) spilled 236 bytes in the bfloat16 RMSNorm kernel.
+// residual's packs and no branch on it. Extra: none (packed rows), QuantArgs (packed rows), or StridedRows (each
+// operand's rows at their own offsets: every plain variant with a residual, and the strided twin without).
+// Occupancy: one block of kMaxRowThreads per SM at least (128 registers); two (64 registers) spilled 236 bytes in
+// the bfloat16 RMSNorm kernel.
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual, typename... Extra>
 __global__ void __launch_bounds__(kMaxRowThreads, 1)
     forward_rows_kernel(ForwardArgs<acc_t<Th>> a, Extra... extra) {

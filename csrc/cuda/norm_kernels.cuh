@@ -333,18 +333,50 @@ void reduce_partials(const BackwardArgs<A>& a, const NormBackwardParams& p, int6
   }
 }
 
-// Whether the register path has a variant for strided rows: without a residual (h is then the input: Th = Tin) and
-// without a quantized output. The others are left out so that the build (CI's, on 2 cores) stays near its size:
-// the variants without a residual took it from 902 to 1133 s before the Th = Tin bound.
-template <typename Tin, typename Th, bool kResidual, bool kQuant>
-constexpr bool kStridedForward = !kResidual && !kQuant && std::is_same_v<Th, Tin>;
+// Whether the register path takes strided rows (forward_kernels.cuh, StridedRows): its plain variants with a
+// residual always do; the one without has a strided twin where h is of the input's dtype (always, but for the
+// float64 rows of a narrower input that only a residual makes), so that the build (CI's, on 2 cores) stays near its
+// size: the twins took it from 902 to 1133 s before that bound. The quantized variants do not (forward_kernels.cuh).
+template <typename Tin, typename Th, bool kResidual>
+constexpr bool kStridedForward = kResidual || std::is_same_v<Th, Tin>;
+
+// An operand's rows' layout in units for the kernels; packed (cols elements apart) where the operand is absent.
+template <int kVec>
+RowLayout layout_in_units(const void* rows, const RowLayout& layout, int64_t cols) {
+  return in_units<kVec>(rows != nullptr ? layout : RowLayout::packed(cols));
+}
+
+// The layouts of a plain forward's operands, in units.
+template <int kVec>
+StridedRows strided_rows(const NormForwardParams& p) {
+  return StridedRows{layout_in_units<kVec>(p.input, p.input_rows, p.cols),
+                     layout_in_units<kVec>(p.residual, p.residual_rows, p.cols), in_units<kVec>(p.out_rows),
+                     layout_in_units<kVec>(p.residual_out, p.residual_out_rows, p.cols)};
+}
+
+// Whether the kernels' 32-bit row offsets (RowLayout::offset32) reach every operand's rows.
+inline bool rows_fit_offset32(const NormForwardParams& p) {
+  return p.input_rows.fits_offset32(p.rows) && p.out_rows.fits_offset32(p.rows) &&
+         (p.residual == nullptr || p.residual_rows.fits_offset32(p.rows)) &&
+         (p.residual_out == nullptr || p.residual_out_rows.fits_offset32(p.rows));
+}
+
+// Whether every operand's rows' strides are whole packs of kVec elements (the kernels then index them in units).
+template <int kVec>
+bool rows_in_whole_units(const NormForwardParams& p) {
+  const StridedRows elements = strided_rows<1>(p);
+  return whole_units<kVec>(elements.input) && whole_units<kVec>(elements.residual) &&
+         whole_units<kVec>(elements.out) && whole_units<kVec>(elements.residual_out);
+}
 
 // Returns false, launching nothing, for strided rows (p's layouts not all packed: the caller copies them) that the
-// register path does not take: rows beyond its registers, or no variant for them (kStridedForward).
+// register path does not take: rows beyond its registers, a quantized output, or no variant for them
+// (kStridedForward).
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, bool kQuant>
 bool launch_forward_vec(const NormForwardParams& p, bool strided, cudaStream_t stream) {
   using A = acc_t<Th>;
-  if (strided && (p.residual != nullptr || !kStridedForward<Tin, Th, false, kQuant>)) return false;
+  if (strided && (kQuant || (p.residual == nullptr && !kStridedForward<Tin, Th, false>))) return false;
+  if (strided && !rows_fit_offset32(p)) return false;
   ForwardArgs<A> a = forward_args<A>(p, kVec);
   QuantArgs q{p.codes, p.scale, p.scale_ub, p.row_scales, quant_code(p.quant_type)};
   if (p.group_size > 0) {
@@ -378,11 +410,13 @@ bool launch_forward_vec(const NormForwardParams& p, bool strided, cudaStream_t s
       if constexpr (kQuant) {
         auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, kResidual, QuantArgs>;
         LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, q);
+      } else if constexpr (kResidual) {
+        auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, true, StridedRows>;
+        LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, strided_rows<kVec>(p));
       } else if (strided) {
-        if constexpr (kStridedForward<Tin, Th, kResidual, kQuant>) {
-          const StridedRows rows{in_units<kVec>(p.input_rows), in_units<kVec>(p.out_rows)};
+        if constexpr (kStridedForward<Tin, Th, false>) {
           auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, false, StridedRows>;
-          LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, rows);
+          LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, strided_rows<kVec>(p));
         }
       } else {
         auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, kResidual>;
@@ -459,7 +493,7 @@ bool launch_forward(const NormForwardParams& p) {
                           pack_aligned<kVec>(p.residual, c10::elementSize(p.residual_type)) &&
                           pack_aligned<kVec>(p.residual_out, sizeof(Th)) && pack_aligned<kVec>(p.codes, 1) &&
                           p.group_size % kVec == 0 &&  // a pack in one group (of a power of two: any kVec divides it)
-                          (!strided || (whole_units<kVec>(p.input_rows) && whole_units<kVec>(p.out_rows)));
+                          (!strided || rows_in_whole_units<kVec>(p));
   // Quantized output is a kernel variant of its own (kQuant), so that the plain kernels' registers are not
   // sized for its extra pass.
   bool launched = false;
@@ -545,10 +579,17 @@ LaunchPlan plan_backward_vec(int64_t rows, int64_t cols, const DeviceLimits& dev
   return plan;
 }
 
-// As kStridedForward: a variant for strided rows without grad_residual_out, saved of grad_out's dtype (as a forward
-// without a residual saves).
+// As kStridedForward: the variant with grad_residual_out always takes strided rows; the one without has a strided
+// twin where saved is of grad_out's dtype (as a forward without a residual saves).
 template <typename Tg, typename Ts, bool kResidual>
-constexpr bool kStridedBackward = !kResidual && std::is_same_v<Ts, Tg>;
+constexpr bool kStridedBackward = kResidual || std::is_same_v<Ts, Tg>;
+
+// The layouts of a backward's rows read, in units (grad_residual_out's packed where it is absent).
+template <int kVec>
+StridedGradRows strided_grad_rows(const NormBackwardParams& p) {
+  return StridedGradRows{in_units<kVec>(p.grad_out_rows), in_units<kVec>(p.saved_rows),
+                         layout_in_units<kVec>(p.grad_residual_out, p.grad_residual_rows, p.cols)};
+}
 
 // Returns false, launching nothing, for strided rows that the register path does not take (rows beyond one block's
 // registers, or no variant for them: kStridedBackward): the caller copies them.
@@ -559,7 +600,10 @@ bool launch_backward_vec(const NormBackwardParams& p, bool strided, cudaStream_t
   constexpr int kMax = max_packs<Tg, Ts, kVec>(true);
   const LaunchPlan plan = plan_backward_vec<Tg, Ts, Tw, kRms, kVec>(p.rows, p.cols, current_device_limits());
   const bool long_path = plan.packs == 0;
-  if (strided && (long_path || plan.cluster > 1 || p.grad_residual_out != nullptr || !kStridedBackward<Tg, Ts, false>)) {
+  const bool offsets_fit = p.grad_out_rows.fits_offset32(p.rows) && p.saved_rows.fits_offset32(p.rows) &&
+                           (p.grad_residual_out == nullptr || p.grad_residual_rows.fits_offset32(p.rows));
+  if (strided && (long_path || plan.cluster > 1 || !offsets_fit ||
+                  (p.grad_residual_out == nullptr && !kStridedBackward<Tg, Ts, /*kResidual=*/false>))) {
     return false;
   }
   a.lanes = plan.lanes;
@@ -603,14 +647,16 @@ bool launch_backward_vec(const NormBackwardParams& p, bool strided, cudaStream_t
         } else {
           TORCH_INTERNAL_ASSERT(false, "backward plan on clusters with ", kPacks, " packs per lane: no such kernel");
         }
+      } else if constexpr (kResidual) {
+        auto kernel = backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, kPacks, true, StridedGradRows>;
+        LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, smem, stream)(a, strided_grad_rows<kVec>(p));
       } else if (strided) {
-        if constexpr (kStridedBackward<Tg, Ts, kResidual>) {
-          const StridedGradRows rows{in_units<kVec>(p.grad_out_rows), in_units<kVec>(p.saved_rows)};
+        if constexpr (kStridedBackward<Tg, Ts, false>) {
           auto kernel = backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, kPacks, false, StridedGradRows>;
-          LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, smem, stream)(a, rows);
+          LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, smem, stream)(a, strided_grad_rows<kVec>(p));
         }
       } else {
-        auto kernel = backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, kPacks, kResidual>;
+        auto kernel = backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, kPacks, false>;
         LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, smem, stream)(a);
       }
     };
@@ -644,7 +690,8 @@ bool launch_backward(const NormBackwardParams& p) {
                           pack_aligned<kVec>(p.saved, sizeof(Ts)) && pack_aligned<kVec>(p.grad_input, sizeof(Ts)) &&
                           pack_aligned<kVec>(p.grad_residual_out, sizeof(Ts)) &&
                           pack_aligned<kVec>(p.weight, sizeof(Tw)) && pack_aligned<kVec>(p.bias, sizeof(Tw)) &&
-                          (!strided || (whole_units<kVec>(p.grad_out_rows) && whole_units<kVec>(p.saved_rows)));
+                          (!strided || (whole_units<kVec>(p.grad_out_rows) && whole_units<kVec>(p.saved_rows) &&
+                                        (p.grad_residual_out == nullptr || whole_units<kVec>(p.grad_residual_rows))));
   bool launched = false;
   with_variant<kVec>(p.rms, vectorized, [&](auto rms, auto width) {
     launched = launch_backward_vec<Tg, Ts, Tw, decltype(rms)::value, decltype(width)::value>(p, strided, current_stream());

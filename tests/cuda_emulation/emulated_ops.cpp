@@ -180,6 +180,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("input"), py::arg("shape"), py::arg("weight"), py::arg("eps"), py::arg("quant_dtype"), py::arg("scale"),
       py::arg("scale_ub"), py::arg("residual"), py::arg("group_size") = 0, py::arg("scales_column_major") = false,
       py::arg("scales_dtype") = py::none(), py::arg("scales_swizzled") = false);
+  m.def(
+      "rms_norm_quant_into",
+      [](const Tensor& input, const std::vector<int64_t>& shape, const OptTensor& weight, std::optional<double> eps,
+         const Tensor& out, const OptTensor& scale, const OptTensor& scales, const OptTensor& residual,
+         const OptTensor& residual_out, bool residual_in_fp32, int64_t group_size) {
+        layernorm_ext::rms_norm_quant_into(input, sym(shape), weight, eps, out, scale, scales, std::nullopt, residual,
+                                           residual_out, residual_in_fp32, 0.0, false, group_size, false, forward);
+      },
+      py::arg("input"), py::arg("shape"), py::arg("weight"), py::arg("eps"), py::arg("out"), py::arg("scale"),
+      py::arg("scales"), py::arg("residual") = py::none(), py::arg("residual_out") = py::none(),
+      py::arg("residual_in_fp32") = false, py::arg("group_size") = 0);
   m.def("add_layer_norm_", [](const Tensor& input, const Tensor& residual, const std::vector<int64_t>& shape,
                               const OptTensor& weight, const OptTensor& bias, double eps) {
     layernorm_ext::add_layer_norm_inplace(input, residual, sym(shape), weight, bias, eps, 0.0, false, forward);
