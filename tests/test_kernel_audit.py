@@ -340,11 +340,14 @@ def test_plan_backward_is_persistent():
 
 
 def test_plan_mixed_dtypes_and_errors():
+    # Rows wider than the input come of a residual only: the variant with one (it takes the rows' layouts).
     plan = _plan(row_dtype="float32", param_dtype="float32")
-    assert plan["kernel"] == "forward_rows_kernel<__nv_bfloat16, float, float, false, 8, 4, false>"
+    assert plan["kernel"] == ("forward_rows_kernel<__nv_bfloat16, float, float, false, 8, 4, true, "
+                              "layernorm_ext::cuda::StridedRows>")  # fmt: skip
     # float64 rows of a narrower input (a float64 residual): single elements, one pack per lane, then the long kernel
     widened = _plan(row_dtype="float64", cols=512)
-    assert widened["kernel"] == "forward_rows_kernel<__nv_bfloat16, double, __nv_bfloat16, false, 1, 1, false>"
+    assert widened["kernel"] == ("forward_rows_kernel<__nv_bfloat16, double, __nv_bfloat16, false, 1, 1, true, "
+                                 "layernorm_ext::cuda::StridedRows>")  # fmt: skip
     assert _plan(row_dtype="float64")["kernel"] == "forward_long_kernel<__nv_bfloat16, double, __nv_bfloat16, false, 1>"
     with pytest.raises(ValueError, match="op must be"):
         _plan(op="batch_norm")

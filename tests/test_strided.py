@@ -672,9 +672,9 @@ def test_emulated_quantized_output_of_strided_rows(
     emulated, layout: str, d: int, dtype: torch.dtype, quant_dtype: torch.dtype, group_size: int  # noqa: ANN001
 ) -> None:
     """The quantized forward on strided rows: strided input, then (writable layouts) codes into a strided out=, the
-    residual strided and h written over it. The CUDA kernels' quantized variants take packed rows only (their
-    per-group path sets their registers: forward_kernels.cuh, StridedRows), so the rows are copied around them (the
-    profiler sees it), and codes, scales and h are the same bits as on the contiguous copies."""
+    residual strided and h written over it. The CUDA kernels' per-token variant (a scale per row) takes them in place;
+    the per-group one takes packed rows only (forward_kernels.cuh, StridedRows), so they are copied around it (the
+    profiler sees which); codes, scales and h are the same bits as on the contiguous copies."""
     if group_size and d % group_size:
         pytest.skip("groups must divide the row")
     x = _aligned_view(layout, d, dtype, seed=d)
@@ -688,7 +688,8 @@ def test_emulated_quantized_output_of_strided_rows(
     def as_bytes(t: Tensor) -> Tensor:
         return t.view(torch.uint8) if t.dtype in (torch.float4_e2m1fn_x2, torch.float8_e4m3fn) else t
 
-    assert _copies(lambda: quant(x)) != [], "rms_norm_quant: copied"
+    copied = group_size > 0
+    assert (_copies(lambda: quant(x)) != []) == copied, f"rms_norm_quant: copied={copied}"
     for i, (a, b) in enumerate(zip(quant(x), quant(x.contiguous()))):
         if a is not None:
             _same_bits(as_bytes(a), as_bytes(b), f"rms_norm_quant result {i}")
@@ -702,7 +703,7 @@ def test_emulated_quantized_output_of_strided_rows(
     scales = torch.empty_like(expected_scales)
     call = lambda: emulated.rms_norm_quant_into(x, [d], weight, EPS, out, scale, scales, h, h,  # noqa: E731
                                                 group_size=group_size)
-    assert _copies(call) != [], "rms_norm_quant_into: copied"
+    assert (_copies(call) != []) == copied, f"rms_norm_quant_into: copied={copied}"
     _same_bits(as_bytes(out), as_bytes(expected_codes), "codes out=")
     _same_bits(as_bytes(scales), as_bytes(expected_scales), "scales out=")
     _same_bits(h, expected_h, "h over the residual")
@@ -736,9 +737,9 @@ def _on_cuda(v: Tensor) -> Tensor:
 @pytest.mark.parametrize("d", (64, 128, 769))
 @pytest.mark.parametrize("layout", ["qkv", "slice", "transposed", "expanded"])
 def test_cuda_register_paths_take_strided_rows_in_place(layout: str, d: int, dtype: torch.dtype) -> None:
-    """The emulated test above on a GPU, through the library's ops: QK-norm forward + backward on strided views, no
-    copy (the profiler), and the in-place residual add on strided input and residual, no copy either, the same bits
-    as on contiguous copies."""
+    """The emulated tests above on a GPU, through the library's ops: QK-norm forward + backward on strided views, no
+    copy (the profiler), nor for the per-token fp8 output or the in-place residual add on strided input and residual,
+    the same bits as on contiguous copies."""
     x = _on_cuda(_aligned_view(layout, d, dtype, seed=d))
     assert x.stride() == _aligned_view(layout, d, dtype, seed=d).stride()
     weight = _params(d, dtype, rms=True)[0].cuda()
@@ -752,6 +753,11 @@ def test_cuda_register_paths_take_strided_rows_in_place(layout: str, d: int, dty
     assert _copies(lambda: run(x)) == []
     for name, a, b in zip(("out", "grad_input", "grad_weight"), run(x), run(x.contiguous())):
         _same_bits(a, b, name)
+    quant = lambda t: L.rms_norm_quant(t, d, weight, EPS, quant_dtype=torch.float8_e4m3fn)  # noqa: E731
+    assert _copies(lambda: quant(x)) == [], "rms_norm_quant, a scale per row"
+    as_bytes = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
+    for name, a, b in zip(("codes", "scales"), quant(x), quant(x.contiguous())):
+        _same_bits(as_bytes(a), as_bytes(b), name)
     if layout in WRITABLE:
         _, x_view = _aligned_buffer_view(layout, d, dtype)
         _, r_view = _buffer_view("qkv", d, dtype)

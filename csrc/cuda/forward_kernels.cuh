@@ -56,21 +56,27 @@ struct QuantArgs {
   int64_t scale_row_stride = 0, scale_group_stride = 0;
   bool swizzled = false;
 };
+// The register path's per-group variant takes its QuantArgs as this type: per-token and per-group rows are kernels
+// of their own, so that the per-token one (vLLM's rms_norm_dynamic_per_token_quant) does not pay the per-group
+// path's registers (ptxas sm_90, bf16 RMSNorm rows with a float weight at 4 packs: 124 with it, 64 without, the
+// rows' layouts included).
+struct GroupQuantArgs : QuantArgs {};
 
 // Strided rows (issue 24, row_layout.h): each operand's rows' layout in units (kVec elements; the launcher checks
 // that the strides are whole units). The register path's variants with a residual always take it (a contiguous call
 // passes packed layouts: a product per operand and row, where the packed variant shares one), so that they need no
 // strided twins in the build; the plain variant has a twin that takes it beside its packed one, which indexes every
-// operand at row * units. The quantized variants take none (strided rows are copied around them): their per-group
-// path sets their registers, and with strided offsets took up to 28 more (ptxas sm_90, RMSNorm float rows, 4 packs:
-// 82 -> 110, one block per SM where there were two; 54 without the per-group path).
+// operand at row * units. The per-token quantized variant always takes it too, after its QuantArgs (out: the codes'
+// rows); the per-group one takes none (strided rows are copied around it): with strided offsets its registers grew
+// by up to 28 (ptxas sm_90, RMSNorm float rows, 4 packs: 82 -> 110, one block per SM where there were two).
 struct StridedRows {
   RowLayout input, residual, out, residual_out;
 };
 
-// The kernels' optional trailing parameter (a pack of none or one: QuantArgs or StridedRows), unpacked where there
-// is one.
+// The kernels' optional trailing parameters (none; QuantArgs or GroupQuantArgs; StridedRows; or QuantArgs then
+// StridedRows), unpacked where there are some.
 __device__ __forceinline__ const QuantArgs& quant_args(const QuantArgs& q) { return q; }
+__device__ __forceinline__ const QuantArgs& quant_args(const QuantArgs& q, const StridedRows&) { return q; }
 
 // Where a row of each operand begins, in units.
 struct RowUnits {
@@ -84,6 +90,11 @@ __device__ __forceinline__ RowUnits row_units(const ForwardArgs<A>& a, int64_t r
 template <typename A>
 __device__ __forceinline__ RowUnits row_units(const ForwardArgs<A>&, int64_t row, const StridedRows& s) {
   return {s.input.offset32(row), s.residual.offset32(row), s.out.offset32(row), s.residual_out.offset32(row)};
+}
+template <typename A>
+__device__ __forceinline__ RowUnits row_units(const ForwardArgs<A>& a, int64_t row, const QuantArgs&,
+                                              const StridedRows& s) {
+  return row_units(a, row, s);
 }
 
 // h for one pack: the input, or round_to_Th(input + residual) (written to residual_out), in the compute type.
@@ -184,10 +195,11 @@ __device__ __forceinline__ float fold_absmax(const ForwardArgs<A>& a, const A (&
   return absmax;
 }
 
-// The quantized codes of one pack, given how the row's y is scaled (quant::scaling: vLLM's divide or multiply).
+// The quantized codes of one pack (code_unit: where its codes go, in units of kVec codes), given how the row's y is
+// scaled (quant::scaling: vLLM's divide or multiply).
 template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
-__device__ __forceinline__ void quantize_store(const ForwardArgs<A>& a, const QuantArgs& q, int64_t row,
-                                               int64_t col_unit, const A (&h)[kVec], const RowStats<A>& st,
+__device__ __forceinline__ void quantize_store(const ForwardArgs<A>& a, const QuantArgs& q, int64_t code_unit,
+                                               const A (&h)[kVec], const RowStats<A>& st,
                                                const AffinePack<Tw, kVec>& wb, quant::Scaling scaling) {
   float f[kVec];
   output_floats<Tin, Tw, kRms, A, kVec>(a, h, st, wb, f);
@@ -197,7 +209,7 @@ __device__ __forceinline__ void quantize_store(const ForwardArgs<A>& a, const Qu
     const float v = quant::scaled(f[j], scaling);
     codes.v[j] = quant::encode(q.code, v);
   }
-  reinterpret_cast<Pack<uint8_t, kVec>*>(q.codes)[row * a.units + col_unit] = codes;
+  reinterpret_cast<Pack<uint8_t, kVec>*>(q.codes)[code_unit] = codes;
 }
 
 // How the row's codes are scaled: by the static scale, or by the dynamic one from the row's absmax (each
@@ -427,15 +439,17 @@ constexpr bool early_affine() {
 // computes its output values twice from the registers, folding their absmax (all-reduced over the row) for a
 // dynamic scale, then stores codes.
 // kResidual (a.residual given) is a compile-time flag: the kernel without one keeps no registers for the
-// residual's packs and no branch on it. Extra: none (packed rows), QuantArgs (packed rows), or StridedRows (each
-// operand's rows at their own offsets: every plain variant with a residual, and the strided twin without).
+// residual's packs and no branch on it. Extra: none (packed rows), GroupQuantArgs (packed rows, a scale per
+// group), StridedRows (each operand's rows at their own offsets: every plain variant with a residual, and the
+// strided twin without), or QuantArgs then StridedRows (a scale per row; codes at out's offsets).
 // Occupancy: one block of kMaxRowThreads per SM at least (128 registers); two (64 registers) spilled 236 bytes in
 // the bfloat16 RMSNorm kernel.
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual, typename... Extra>
 __global__ void __launch_bounds__(kMaxRowThreads, 1)
     forward_rows_kernel(ForwardArgs<acc_t<Th>> a, Extra... extra) {
   using A = acc_t<Th>;
-  constexpr bool kQuant = (std::is_same_v<Extra, QuantArgs> || ...);
+  constexpr bool kGroups = (std::is_same_v<Extra, GroupQuantArgs> || ...);
+  constexpr bool kQuant = kGroups || (std::is_same_v<Extra, QuantArgs> || ...);
   constexpr bool kDouble = std::is_same_v<A, double>;
   // A row of several warps: the warps' states in the compute type (double-buffered by row parity), and in
   // double for a row whose float statistics overflowed (one buffer: the next row's first barrier separates its
@@ -618,7 +632,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
           normalize_store_at<Tin, Tw, kRms, A, kVec>(a, at.out + col_unit, h[p], st, affine(p), a.cast_before_weight);
         }
       }
-    } else if (quant_args(extra...).group_units > 0) {
+    } else if constexpr (kGroups) {
       // Per group: each pack's absmax, all-reduced over the lanes of its group (in a sub-warp row whose groups are
       // wider than its lanes, then over the lane's packs of the group), then its codes from the registers again.
       const QuantArgs& q = quant_args(extra...);
@@ -693,7 +707,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
       for (int p = 0; p < kPacks; ++p) {
         if (valid[p]) {
           const int col_unit = p * a.lanes + lane;
-          quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row, col_unit, h[p], st, affine(p), scaling);
+          quantize_store<Tin, Tw, kRms, A, kVec>(a, q, at.out + col_unit, h[p], st, affine(p), scaling);
         }
       }
     }
@@ -1044,8 +1058,8 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
         scaling = row_scaling(q, row, writer, absmax, 1, absmax_scratch);  // lanes 1: the absmax is the row's
       }
       for_each_pack([&](int64_t unit, A (&h)[kVec]) {
-        quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row, unit, h, st, load_affine<Tw, kRms, A, kVec>(a, unit),
-                                               scaling);
+        quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row * a.units + unit, h, st,
+                                               load_affine<Tw, kRms, A, kVec>(a, unit), scaling);
       });
     }
   }

@@ -211,7 +211,8 @@ constexpr const char* type_name() {
 }
 
 // residual: the register paths' compile-time residual flag (forward: residual; backward: grad_residual_out);
-// the plan names the variant without a residual.
+// the plan names the variant without a residual, but for forward rows wider than the input (only a residual makes
+// them).
 template <typename... T>
 std::string kernel_name(const char* function, bool rms, int vec, int packs, bool quant, bool residual = false) {
   std::string name = std::string(function) + "<";
@@ -222,7 +223,11 @@ std::string kernel_name(const char* function, bool rms, int vec, int packs, bool
       std::string(function) == "backward_cluster_kernel" || std::string(function) == "backward_long_kernel") {
     name += residual ? ", true" : ", false";
   }
-  if (quant) name += ", layernorm_ext::cuda::QuantArgs";
+  if (quant) name += ", layernorm_ext::cuda::QuantArgs";  // the per-token variant (a scale per row)
+  // The forward register path's variants with a residual and its per-token quantized one take the rows' layouts.
+  if ((quant || residual) && std::string(function) == "forward_rows_kernel") {
+    name += ", layernorm_ext::cuda::StridedRows";
+  }
   return name + ">";
 }
 
@@ -240,7 +245,8 @@ LaunchPlan plan_forward_vec(int64_t rows, int64_t cols, const DeviceLimits& devi
     plan.threads = plan.lanes * plan.rows_per_block;
     plan.row_groups = (rows + plan.rows_per_block - 1) / plan.rows_per_block;
     plan.grid = grid_for(plan.row_groups);
-    plan.kernel = kernel_name<Tin, Th, Tw>("forward_rows_kernel", kRms, kVec, plan.packs, kQuant);
+    plan.kernel = kernel_name<Tin, Th, Tw>("forward_rows_kernel", kRms, kVec, plan.packs, kQuant,
+                                           !std::is_same_v<Th, Tin>);
   } else {
     // The stage holds the row in its own dtype Th (a block's share of it on a cluster: kMaxRowThreads slots per
     // kMaxRowThreads x cluster packs of the row), beside the kernel's warps' states and static shared memory.
@@ -333,12 +339,13 @@ void reduce_partials(const BackwardArgs<A>& a, const NormBackwardParams& p, int6
   }
 }
 
-// Whether the register path takes strided rows (forward_kernels.cuh, StridedRows): its plain variants with a
-// residual always do; the one without has a strided twin where h is of the input's dtype (always, but for the
-// float64 rows of a narrower input that only a residual makes), so that the build (CI's, on 2 cores) stays near its
-// size: the twins took it from 902 to 1133 s before that bound. The quantized variants do not (forward_kernels.cuh).
-template <typename Tin, typename Th, bool kResidual>
-constexpr bool kStridedForward = kResidual || std::is_same_v<Th, Tin>;
+// Whether the register path's variant without a residual (forward; backward: without grad_residual_out) has a
+// strided twin (forward_kernels.cuh, StridedRows): where the rows' dtype is the input's (always, but for the float64
+// rows of a narrower input that only a residual makes), so that the build (CI's, on 2 cores) stays near its size:
+// the twins took it from 902 to 1133 s before that bound. The variants with a residual and the per-token quantized
+// one always take strided rows; the per-group quantized one never does.
+template <typename Tin, typename Th>
+constexpr bool kStridedTwin = std::is_same_v<Th, Tin>;
 
 // An operand's rows' layout in units for the kernels; packed (cols elements apart) where the operand is absent.
 template <int kVec>
@@ -370,12 +377,13 @@ bool rows_in_whole_units(const NormForwardParams& p) {
 }
 
 // Returns false, launching nothing, for strided rows (p's layouts not all packed: the caller copies them) that the
-// register path does not take: rows beyond its registers, a quantized output, or no variant for them
-// (kStridedForward).
+// register path does not take: rows beyond its registers, a quantized output per group, or no variant for them
+// (kStridedTwin).
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, bool kQuant>
 bool launch_forward_vec(const NormForwardParams& p, bool strided, cudaStream_t stream) {
   using A = acc_t<Th>;
-  if (strided && (kQuant || (p.residual == nullptr && !kStridedForward<Tin, Th, false>))) return false;
+  const bool has_twin = kQuant ? p.group_size == 0 : p.residual != nullptr || kStridedTwin<Tin, Th>;
+  if (strided && !has_twin) return false;
   if (strided && !rows_fit_offset32(p)) return false;
   ForwardArgs<A> a = forward_args<A>(p, kVec);
   QuantArgs q{p.codes, p.scale, p.scale_ub, p.row_scales, quant_code(p.quant_type)};
@@ -408,13 +416,18 @@ bool launch_forward_vec(const NormForwardParams& p, bool strided, cudaStream_t s
       constexpr int kPacks = decltype(packs)::value;
       constexpr bool kResidual = decltype(residual)::value;
       if constexpr (kQuant) {
-        auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, kResidual, QuantArgs>;
-        LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, q);
+        if (q.group_units > 0) {
+          auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, kResidual, GroupQuantArgs>;
+          LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, GroupQuantArgs{q});
+        } else {
+          auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, kResidual, QuantArgs, StridedRows>;
+          LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, q, strided_rows<kVec>(p));
+        }
       } else if constexpr (kResidual) {
         auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, true, StridedRows>;
         LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, strided_rows<kVec>(p));
       } else if (strided) {
-        if constexpr (kStridedForward<Tin, Th, false>) {
+        if constexpr (kStridedTwin<Tin, Th>) {
           auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, false, StridedRows>;
           LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, strided_rows<kVec>(p));
         }
@@ -424,8 +437,16 @@ bool launch_forward_vec(const NormForwardParams& p, bool strided, cudaStream_t s
       }
     };
     with_packs<kMax, min_forward_packs<Tin, Th, kVec>()>(plan.packs, [&](auto packs) {
-      if (p.residual != nullptr) launch_rows(packs, std::true_type{});
-      else launch_rows(packs, std::false_type{});
+      // Rows wider than the input come of a residual only (residual_out_dtype): no variants without one (sm_90:
+      // 78 kernels fewer in the build).
+      if constexpr (!std::is_same_v<Th, Tin>) {
+        TORCH_INTERNAL_ASSERT(p.residual != nullptr, "layernorm_ext: rows wider than the input without a residual");
+        launch_rows(packs, std::true_type{});
+      } else if (p.residual != nullptr) {
+        launch_rows(packs, std::true_type{});
+      } else {
+        launch_rows(packs, std::false_type{});
+      }
     });
   } else {
     auto launch = [&](auto kernel, auto... quant) {
@@ -579,11 +600,6 @@ LaunchPlan plan_backward_vec(int64_t rows, int64_t cols, const DeviceLimits& dev
   return plan;
 }
 
-// As kStridedForward: the variant with grad_residual_out always takes strided rows; the one without has a strided
-// twin where saved is of grad_out's dtype (as a forward without a residual saves).
-template <typename Tg, typename Ts, bool kResidual>
-constexpr bool kStridedBackward = kResidual || std::is_same_v<Ts, Tg>;
-
 // The layouts of a backward's rows read, in units (grad_residual_out's packed where it is absent).
 template <int kVec>
 StridedGradRows strided_grad_rows(const NormBackwardParams& p) {
@@ -591,8 +607,20 @@ StridedGradRows strided_grad_rows(const NormBackwardParams& p) {
                          layout_in_units<kVec>(p.grad_residual_out, p.grad_residual_rows, p.cols)};
 }
 
+// As rows_fit_offset32 and rows_in_whole_units, for a backward's rows.
+inline bool grad_rows_fit_offset32(const NormBackwardParams& p) {
+  return p.grad_out_rows.fits_offset32(p.rows) && p.saved_rows.fits_offset32(p.rows) &&
+         (p.grad_residual_out == nullptr || p.grad_residual_rows.fits_offset32(p.rows));
+}
+template <int kVec>
+bool grad_rows_in_whole_units(const NormBackwardParams& p) {
+  const StridedGradRows elements = strided_grad_rows<1>(p);
+  return whole_units<kVec>(elements.grad_out) && whole_units<kVec>(elements.saved) &&
+         whole_units<kVec>(elements.grad_residual_out);
+}
+
 // Returns false, launching nothing, for strided rows that the register path does not take (rows beyond one block's
-// registers, or no variant for them: kStridedBackward): the caller copies them.
+// registers, or no variant for them: kStridedTwin): the caller copies them.
 template <typename Tg, typename Ts, typename Tw, bool kRms, int kVec>
 bool launch_backward_vec(const NormBackwardParams& p, bool strided, cudaStream_t stream) {
   using A = acc_t<Ts>;
@@ -600,10 +628,8 @@ bool launch_backward_vec(const NormBackwardParams& p, bool strided, cudaStream_t
   constexpr int kMax = max_packs<Tg, Ts, kVec>(true);
   const LaunchPlan plan = plan_backward_vec<Tg, Ts, Tw, kRms, kVec>(p.rows, p.cols, current_device_limits());
   const bool long_path = plan.packs == 0;
-  const bool offsets_fit = p.grad_out_rows.fits_offset32(p.rows) && p.saved_rows.fits_offset32(p.rows) &&
-                           (p.grad_residual_out == nullptr || p.grad_residual_rows.fits_offset32(p.rows));
-  if (strided && (long_path || plan.cluster > 1 || !offsets_fit ||
-                  (p.grad_residual_out == nullptr && !kStridedBackward<Tg, Ts, /*kResidual=*/false>))) {
+  if (strided && (long_path || plan.cluster > 1 || !grad_rows_fit_offset32(p) ||
+                  (p.grad_residual_out == nullptr && !kStridedTwin<Tg, Ts>))) {
     return false;
   }
   a.lanes = plan.lanes;
@@ -651,7 +677,7 @@ bool launch_backward_vec(const NormBackwardParams& p, bool strided, cudaStream_t
         auto kernel = backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, kPacks, true, StridedGradRows>;
         LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, smem, stream)(a, strided_grad_rows<kVec>(p));
       } else if (strided) {
-        if constexpr (kStridedBackward<Tg, Ts, false>) {
+        if constexpr (kStridedTwin<Tg, Ts>) {
           auto kernel = backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, kPacks, false, StridedGradRows>;
           LNX_LAUNCH(kernel, static_cast<unsigned>(grid), threads, smem, stream)(a, strided_grad_rows<kVec>(p));
         }
@@ -690,8 +716,7 @@ bool launch_backward(const NormBackwardParams& p) {
                           pack_aligned<kVec>(p.saved, sizeof(Ts)) && pack_aligned<kVec>(p.grad_input, sizeof(Ts)) &&
                           pack_aligned<kVec>(p.grad_residual_out, sizeof(Ts)) &&
                           pack_aligned<kVec>(p.weight, sizeof(Tw)) && pack_aligned<kVec>(p.bias, sizeof(Tw)) &&
-                          (!strided || (whole_units<kVec>(p.grad_out_rows) && whole_units<kVec>(p.saved_rows) &&
-                                        (p.grad_residual_out == nullptr || whole_units<kVec>(p.grad_residual_rows))));
+                          (!strided || grad_rows_in_whole_units<kVec>(p));
   bool launched = false;
   with_variant<kVec>(p.rms, vectorized, [&](auto rms, auto width) {
     launched = launch_backward_vec<Tg, Ts, Tw, decltype(rms)::value, decltype(width)::value>(p, strided, current_stream());
