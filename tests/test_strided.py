@@ -90,6 +90,11 @@ def _aten(x: Tensor, d: int, weight: Tensor, bias: Tensor | None, rms: bool) -> 
     return F.layer_norm(x, (d,), weight, bias, 1e-5)
 
 
+def _as_bytes(t: Tensor) -> Tensor:
+    """Quantized codes (float8, float4) as their bytes, for a comparison of bits; other tensors as they are."""
+    return t.view(torch.uint8) if t.dtype in (torch.float4_e2m1fn_x2, torch.float8_e4m3fn) else t
+
+
 def _same_bits(ours: Tensor, expected: Tensor, what: str) -> None:
     assert ours.shape == expected.shape and ours.dtype == expected.dtype, what
     assert torch.equal(ours, expected), f"{what}: strided result differs from the contiguous one"
@@ -685,14 +690,11 @@ def test_emulated_quantized_output_of_strided_rows(
     def quant(t: Tensor, residual: Tensor | None = None) -> tuple[Tensor, ...]:
         return emulated.rms_norm_quant(t, [d], weight, EPS, quant_dtype, scale, None, residual, group_size)
 
-    def as_bytes(t: Tensor) -> Tensor:
-        return t.view(torch.uint8) if t.dtype in (torch.float4_e2m1fn_x2, torch.float8_e4m3fn) else t
-
     copied = group_size > 0
     assert (_copies(lambda: quant(x)) != []) == copied, f"rms_norm_quant: copied={copied}"
     for i, (a, b) in enumerate(zip(quant(x), quant(x.contiguous()))):
         if a is not None:
-            _same_bits(as_bytes(a), as_bytes(b), f"rms_norm_quant result {i}")
+            _same_bits(_as_bytes(a), _as_bytes(b), f"rms_norm_quant result {i}")
     if layout not in WRITABLE:
         return
     residual = _aligned_view("qkv" if layout != "qkv" else "slice", d, dtype, seed=d + 1)
@@ -704,10 +706,10 @@ def test_emulated_quantized_output_of_strided_rows(
     call = lambda: emulated.rms_norm_quant_into(x, [d], weight, EPS, out, scale, scales, h, h,  # noqa: E731
                                                 group_size=group_size)
     assert (_copies(call) != []) == copied, f"rms_norm_quant_into: copied={copied}"
-    _same_bits(as_bytes(out), as_bytes(expected_codes), "codes out=")
-    _same_bits(as_bytes(scales), as_bytes(expected_scales), "scales out=")
+    _same_bits(_as_bytes(out), _as_bytes(expected_codes), "codes out=")
+    _same_bits(_as_bytes(scales), _as_bytes(expected_scales), "scales out=")
     _same_bits(h, expected_h, "h over the residual")
-    assert int(storage.count_nonzero()) == int(as_bytes(out).count_nonzero()), "bytes written outside out="
+    assert int(storage.count_nonzero()) == int(_as_bytes(out).count_nonzero()), "bytes written outside out="
 
 
 def test_emulated_strided_rows_copied_beyond_the_register_paths(emulated) -> None:  # noqa: ANN001
@@ -755,9 +757,8 @@ def test_cuda_register_paths_take_strided_rows_in_place(layout: str, d: int, dty
         _same_bits(a, b, name)
     quant = lambda t: L.rms_norm_quant(t, d, weight, EPS, quant_dtype=torch.float8_e4m3fn)  # noqa: E731
     assert _copies(lambda: quant(x)) == [], "rms_norm_quant, a scale per row"
-    as_bytes = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
     for name, a, b in zip(("codes", "scales"), quant(x), quant(x.contiguous())):
-        _same_bits(as_bytes(a), as_bytes(b), name)
+        _same_bits(_as_bytes(a), _as_bytes(b), name)
     if layout in WRITABLE:
         _, x_view = _aligned_buffer_view(layout, d, dtype)
         _, r_view = _buffer_view("qkv", d, dtype)
