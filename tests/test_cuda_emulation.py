@@ -766,7 +766,8 @@ def test_emulated_group_quantized_output(
 # Groups wider than a warp's vectors (a group's absmax through shared memory, one barrier a round): (dtype, N, group
 # size, storage offset, format) for block rows (bf16 4096: 2, 8 and 64 warps' worth, the last a whole row of packs;
 # fp32 1024: the group wider than the row's lanes, then folded over packs), a sub-warp row of 64 packs (folded),
-# the element-wise kernels of unaligned rows (vLLM's group 128; 6 and 10 warps, so groups span two rounds of packs),
+# unaligned rows (vLLM's group 128), which take the long kernel (per-group rows of single elements have no register
+# variant: csrc/cuda/norm_kernels.cuh, kGroupRows),
 # the long path staged (fp32 20480) and on a cluster of 2 (bf16 65536). The formats differ only after the absmax.
 WIDE_GROUPS = ((BF16, 4096, 512, 0, "fp8"), (BF16, 4096, 2048, 0, "int8-column_major"),
                (BF16, 4096, 4096, 0, "mx-e5m2"), (F32, 1024, 1024, 0, "fp8"), (BF16, 512, 512, 0, "int8-column_major"), (BF16, 768, 128, 1, "fp8"),

@@ -231,14 +231,22 @@ std::string kernel_name(const char* function, bool rms, int vec, int packs, bool
   return name + ">";
 }
 
+// Whether per-group quantized rows of Th in packs of kVec have a register variant: packed rows no wider than float,
+// what models quantize per group (fp8 groups, MX, NVFP4). Single elements (misaligned or odd rows) and float64
+// rows take the long kernel instead: their 42 of the 82 per-group register variants cost the build (CI's, on 2
+// cores) compile time that no model's call needs.
+template <typename Th, int kVec>
+constexpr bool kGroupRows = kVec > 1 && !std::is_same_v<Th, double>;
+
+// groups: a quantized output with a scale per group (the long kernel where kGroupRows has no register variant).
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, bool kQuant>
-LaunchPlan plan_forward_vec(int64_t rows, int64_t cols, const DeviceLimits& device) {
+LaunchPlan plan_forward_vec(int64_t rows, int64_t cols, const DeviceLimits& device, bool groups = false) {
   using A = acc_t<Th>;
   constexpr int kMax = max_packs<Tin, Th, kVec>(false);
   const RowPlan rows_plan = plan_rows(cols / kVec, kMax, min_forward_packs<Tin, Th, kVec>());
   LaunchPlan plan;
   plan.vec = kVec;
-  if (!rows_plan.long_path) {
+  if (!rows_plan.long_path && !(kQuant && groups && !kGroupRows<Th, kVec>)) {
     plan.lanes = rows_plan.lanes;
     plan.rows_per_block = rows_plan.rows_per_block;
     plan.packs = rows_plan.packs;
@@ -406,7 +414,8 @@ bool launch_forward_vec(const NormForwardParams& p, bool strided, cudaStream_t s
   TORCH_INTERNAL_ASSERT(p.residual == nullptr || residual_fits<Th>(p.residual_type),
                         "layernorm_ext: a residual dtype that does not promote to the rows' dtype");
   constexpr int kMax = max_packs<Tin, Th, kVec>(false);
-  const LaunchPlan plan = plan_forward_vec<Tin, Th, Tw, kRms, kVec, kQuant>(p.rows, p.cols, current_device_limits());
+  const LaunchPlan plan =
+      plan_forward_vec<Tin, Th, Tw, kRms, kVec, kQuant>(p.rows, p.cols, current_device_limits(), q.group_units > 0);
   if (strided && plan.packs == 0) return false;
   a.lanes = plan.lanes;
   a.rows_per_block = plan.rows_per_block;
@@ -417,8 +426,12 @@ bool launch_forward_vec(const NormForwardParams& p, bool strided, cudaStream_t s
       constexpr bool kResidual = decltype(residual)::value;
       if constexpr (kQuant) {
         if (q.group_units > 0) {
-          auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, kResidual, GroupQuantArgs>;
-          LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, GroupQuantArgs{q});
+          if constexpr (kGroupRows<Th, kVec>) {
+            auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, kResidual, GroupQuantArgs>;
+            LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, GroupQuantArgs{q});
+          } else {
+            TORCH_INTERNAL_ASSERT(false, "layernorm_ext: per-group rows without a register variant planned on it");
+          }
         } else {
           auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, kResidual, QuantArgs, StridedRows>;
           LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, q, strided_rows<kVec>(p));
