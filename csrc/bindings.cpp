@@ -13,7 +13,7 @@
 // take the forward's weight_offset. Device kernels register in csrc/cpu and
 // csrc/cuda with TORCH_LIBRARY_IMPL and never change these schemas.
 #include <ATen/autocast_mode.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 #include <torch/version.h>
 

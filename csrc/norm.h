@@ -3,7 +3,7 @@
 // outputs and hand a parameter block to a device's kernel launcher.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/SymIntArrayRef.h>
 
 #include <array>

@@ -15,6 +15,7 @@
 // From a saved output (memory_efficient) the statistics' dependence on the input is not rebuilt (mean and
 // rstd are no outputs of the forward's node, so no graph path leads from them to the input): such a backward
 // refuses to form second derivatives.
+#include <ATen/ATen.h>
 #include <ATen/FunctionalTensorWrapper.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/autograd.h>

@@ -21,8 +21,8 @@ ScalarType acc_type_for(ScalarType h_type) {
 }
 
 ScalarType residual_out_dtype(const Tensor& input, const Tensor& residual, bool residual_in_fp32) {
-  ScalarType t = at::promote_types(input.scalar_type(), residual.scalar_type());
-  return residual_in_fp32 ? at::promote_types(t, ScalarType::Float) : t;
+  ScalarType t = c10::promoteTypes(input.scalar_type(), residual.scalar_type());
+  return residual_in_fp32 ? c10::promoteTypes(t, ScalarType::Float) : t;
 }
 
 namespace {
@@ -121,7 +121,7 @@ NormGeometry check_backward_args(const char* op, const Tensor& grad_out, const T
               ", but got grad_out of shape ", grad_out.sizes());
   check_same_device(op, "grad_out", saved, grad_out);
   // grad_out has the forward output's dtype, which is never wider than the saved rows (h, or the output).
-  TORCH_CHECK(at::promote_types(grad_out.scalar_type(), saved.scalar_type()) == saved.scalar_type(), op,
+  TORCH_CHECK(c10::promoteTypes(grad_out.scalar_type(), saved.scalar_type()) == saved.scalar_type(), op,
               ": expected grad_out to have saved's dtype (", saved.scalar_type(),
               ") or a narrower one, but got grad_out of dtype ", grad_out.scalar_type());
   // The weights follow the dtype rule of the forward's input, i.e. of grad_out.

@@ -3,6 +3,10 @@
 #include "norm.h"
 #include "quant_math.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
+#include <ATen/ops/from_blob.h>
+
 #include <limits>
 #include <utility>
 
