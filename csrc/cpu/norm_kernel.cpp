@@ -480,6 +480,8 @@ struct ParameterPartials {
 // tasks (shape only), each chunk's terms into its own double partial.
 void backward_columns_with(const NormBackwardParams& p, const RowKernels& k, const BackwardRows& a) {
   const BackwardColumnsFn columns_fn = k.backward_columns(to_dtype(p.saved_type), to_dtype(p.out_type));
+  TORCH_CHECK(columns_fn != nullptr, "layernorm_ext: no CPU backward kernel for channels-first ", p.saved_type,
+              " rows and ", p.out_type, " gradients");
   const int64_t cols = p.cols;
   const int64_t blocks = (p.plane + kColumnPixels - 1) / kColumnPixels;
   const int64_t tasks = p.rows / p.plane * blocks;

@@ -1,4 +1,4 @@
-// Row kernels for LayerNorm and RMSNorm (a runtime flag), forward and backward, every dtype pair: one
+// Row kernels for LayerNorm and RMSNorm (a runtime flag), forward and backward, every dtype pair the ops produce: one
 // templated body, compiled once per instruction set. The including file (rows_<isa>.cpp) defines first:
 //   LNX_ISA_NS       namespace for this copy (its symbols never meet another ISA's at link time)
 //   LNX_ISA_NAME     "scalar" | "avx2" | "avx512" (also "avx512_bf16": this copy with set_native_bf16 on)
@@ -150,63 +150,65 @@ constexpr auto make_pair_table(std::index_sequence<I...>) {
   return Array<decltype(Entry<0, 0>::value), sizeof...(I)>{Entry<I / 4, I % 4>::value...};
 }
 
-// (S, Y) pairs: float64 output only from float64 rows.
+// The dtype pairs the ops produce, and only they get a kernel (the others nullptr, no code in the build). Rows:
+// (S, Y) = (rows, output) forward and (saved, grad_out) backward, S at least as wide as Y (promote(Y, S) == S, the
+// argument checks' rule: h is the promoted dtype of input and residual; the saved rows are h or the output; a
+// float64 weight's backward runs on rows widened to float64). Channels-first rows: the output's own dtype only
+// (norm_ops.cpp: no residual, grad_out in saved's dtype).
 template <int S, int Y>
-constexpr bool kValidForward = !(Y == 1 && S != 1);
+constexpr bool kRowPair = S == Y || S == 1 || (S == 0 && (Y == 2 || Y == 3));
+template <int S, int Y>
+constexpr bool kColumnPair = S == Y;
 
-template <int S, int Y>
-constexpr ForwardRowsFn forward_entry() {
-  if constexpr (kValidForward<S, Y>) {
-    return &forward_rows<TypeAt<S>, TypeAt<Y>>;
-  } else {
-    return nullptr;
-  }
-}
-template <int S, int Y>
-constexpr SegmentNormalizeFn normalize_entry() {
-  if constexpr (kValidForward<S, Y>) {
-    return &segment_normalize<TypeAt<S>, TypeAt<Y>>;
-  } else {
-    return nullptr;
-  }
-}
+// Entry<S, Y>::value: the kernel of the pair, or nullptr.
 template <int S, int Y>
 struct ForwardEntry {
-  static constexpr ForwardRowsFn value = forward_entry<S, Y>();
+  static constexpr ForwardRowsFn value = [] {
+    if constexpr (kRowPair<S, Y>) return ForwardRowsFn{&forward_rows<TypeAt<S>, TypeAt<Y>>};
+    else return ForwardRowsFn{nullptr};
+  }();
 };
 template <int S, int Y>
 struct NormalizeEntry {
-  static constexpr SegmentNormalizeFn value = normalize_entry<S, Y>();
+  static constexpr SegmentNormalizeFn value = [] {
+    if constexpr (kRowPair<S, Y>) return SegmentNormalizeFn{&segment_normalize<TypeAt<S>, TypeAt<Y>>};
+    else return SegmentNormalizeFn{nullptr};
+  }();
 };
-
-template <int S, int Y>
-constexpr ForwardColumnsFn forward_columns_entry() {
-  if constexpr (kValidForward<S, Y>) {
-    return &forward_columns<TypeAt<S>, TypeAt<Y>>;
-  } else {
-    return nullptr;
-  }
-}
 template <int S, int Y>
 struct ForwardColumnsEntry {
-  static constexpr ForwardColumnsFn value = forward_columns_entry<S, Y>();
+  static constexpr ForwardColumnsFn value = [] {
+    if constexpr (kColumnPair<S, Y>) return ForwardColumnsFn{&forward_columns<TypeAt<S>, TypeAt<Y>>};
+    else return ForwardColumnsFn{nullptr};
+  }();
 };
 template <int S, int G>
 struct BackwardColumnsEntry {
-  static constexpr BackwardColumnsFn value = &backward_columns<TypeAt<S>, TypeAt<G>>;
+  static constexpr BackwardColumnsFn value = [] {
+    if constexpr (kColumnPair<S, G>) return BackwardColumnsFn{&backward_columns<TypeAt<S>, TypeAt<G>>};
+    else return BackwardColumnsFn{nullptr};
+  }();
 };
-
 template <int S, int G>
 struct BackwardEntry {
-  static constexpr BackwardRowsFn value = &backward_rows<TypeAt<S>, TypeAt<G>>;
+  static constexpr BackwardRowsFn value = [] {
+    if constexpr (kRowPair<S, G>) return BackwardRowsFn{&backward_rows<TypeAt<S>, TypeAt<G>>};
+    else return BackwardRowsFn{nullptr};
+  }();
 };
 template <int S, int G>
 struct BackwardSumsEntry {
-  static constexpr BackwardSegmentSumsFn value = &backward_segment_sums<TypeAt<S>, TypeAt<G>>;
+  static constexpr BackwardSegmentSumsFn value = [] {
+    if constexpr (kRowPair<S, G>) return BackwardSegmentSumsFn{&backward_segment_sums<TypeAt<S>, TypeAt<G>>};
+    else return BackwardSegmentSumsFn{nullptr};
+  }();
 };
 template <int S, int G>
 struct BackwardApplyEntry {
-  static constexpr BackwardSegmentApplyFn value = &backward_segment_apply<TypeAt<S>, TypeAt<G>>;
+  static constexpr BackwardSegmentApplyFn value = [] {
+    if constexpr (kRowPair<S, G>) return BackwardSegmentApplyFn{&backward_segment_apply<TypeAt<S>, TypeAt<G>>};
+    else return BackwardSegmentApplyFn{nullptr};
+  }();
 };
 
 constexpr auto kAddTable = make_add_table(std::make_index_sequence<64>{});
