@@ -330,6 +330,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::arg("weight_offset") = 0.0,
              "Whether a forward with these arguments saves its output for backward instead of its input (the "
              "autograd's choice; for the CUDA emulation tests)");
+  module.def("set_cpu_stream_bytes", &layernorm_ext::cpu::set_stream_bytes, pybind11::arg("bytes"),
+             "Forward outputs of at least this many bytes are written with non-temporal stores on CPU (bytes < 0: "
+             "the last-level cache's size, the default; 0: every output); returns the previous threshold. For tests "
+             "and benchmarks.");
   module.def("set_cpu_isa", &layernorm_ext::cpu::set_isa, pybind11::arg("isa"),
              "Use the CPU kernels of another instruction set (scalar, avx2, avx512; avx512_bf16: avx512 rounding "
              "to bfloat16 with AVX512_BF16) from now on; returns the previous one. For tests and benchmarks; "

@@ -208,6 +208,9 @@ const char* isa_name();                   // instruction set the CPU kernels use
 std::vector<std::string> supported_isas();  // those this CPU can run, best first
 std::string set_isa(const std::string& isa);  // switch (tests, benchmarks); returns the previous one
 int64_t scratch_bytes();  // bytes of per-thread scratch the CPU kernels keep between calls (all threads)
+// Outputs of at least `bytes` (< 0: the last-level cache's size, the default) take non-temporal stores (tests,
+// benchmarks); returns the previous threshold.
+int64_t set_stream_bytes(int64_t bytes);
 }  // namespace cpu
 
 #ifdef LAYERNORM_EXT_WITH_CUDA

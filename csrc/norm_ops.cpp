@@ -358,6 +358,7 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
   p.weight = ptr_or_null(weight);
   p.bias = ptr_or_null(bias);
   p.out = out_rows.has_value() ? out_rows->rows.data_ptr() : r.out.data_ptr();
+  p.out_given = out_rows.has_value() && out_rows->rows.is_same(out_rows->target);
   p.residual_out = !residual.has_value()          ? nullptr
                    : residual_out_rows.has_value() ? residual_out_rows->rows.data_ptr()
                                                    : r.residual_out.data_ptr();

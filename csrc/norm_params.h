@@ -31,6 +31,9 @@ struct NormForwardParams {
   const void* weight = nullptr;    // nullptr: no affine scale
   const void* bias = nullptr;      // nullptr: no shift (always nullptr for RMSNorm)
   void* out = nullptr;             // input_type
+  // out is the caller's buffer (out=, in place), written where it is, not a new tensor: its pages are mapped
+  // already (the CPU kernels may then stream their stores past the cache; a new one's pages fault in first).
+  bool out_given = false;
   void* residual_out = nullptr;    // h_type; nullptr when residual is nullptr
   void* mean = nullptr;            // acc_type; nullptr for RMSNorm and when no statistics are stored
   void* rstd = nullptr;            // acc_type; nullptr when no statistics are stored (the inference ops)

@@ -23,6 +23,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -118,6 +120,37 @@ const RowKernels& kernels() {
   std::lock_guard<std::mutex> lock(isa_mutex);
   if (active == nullptr) activate(initial_isa());
   return *active;
+}
+
+// ---- non-temporal output ------------------------------------------------------------------------------------
+// The forward writes an output of at least stream_bytes with non-temporal stores (ForwardRows::stream_out): one
+// larger than the last-level cache leaves no part a consumer could read from there, and a plain store first reads
+// each line from DRAM. That cache's size comes from sysfs (glibc's sysconf said 320 MB for this VM's 32 MB L3);
+// where none is known, no output streams.
+int64_t last_level_cache_bytes() {
+  int64_t largest = 0;
+  for (int index = 0; index < 16; ++index) {
+    std::ifstream file("/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/size");
+    int64_t size = 0;
+    char unit = 0;
+    if (!(file >> size)) break;
+    file >> unit;
+    const int64_t bytes = unit == 'K' ? size << 10 : unit == 'M' ? size << 20 : unit == 'G' ? size << 30 : size;
+    largest = std::max(largest, bytes);
+  }
+  return largest;
+}
+
+std::atomic<int64_t> stream_bytes{-1};  // -1: the last-level cache's size, read on first use
+
+int64_t stream_threshold() {
+  int64_t bytes = stream_bytes.load();
+  if (bytes < 0) {
+    const int64_t cache = last_level_cache_bytes();
+    bytes = cache > 0 ? cache : std::numeric_limits<int64_t>::max();
+    stream_bytes.store(bytes);
+  }
+  return bytes;
 }
 
 // ---- dtypes -------------------------------------------------------------------------------------------------
@@ -371,6 +404,11 @@ void forward_with(const NormForwardParams& p, const RowKernels& k) {
   a.residual_rows = p.residual_rows;
   a.residual_out_rows = p.residual_out_rows;
   a.out_rows = p.out_rows;
+  // Only into the caller's buffer: a new tensor's pages fault in on the first store, which brings each line into
+  // the cache (4096x4096 float32 LayerNorm into a new tensor: 41.1 ms plain, 45.2 streamed; into out=: 9.8 and 6.7
+  // ms); and not in place, where the kernel has just read the row it overwrites.
+  a.stream_out = p.out_given && p.codes == nullptr && p.out != p.input &&
+                 p.rows * p.cols * static_cast<int64_t>(c10::elementSize(p.input_type)) >= stream_threshold();
   if (p.plane > 0) {
     const ForwardColumnsFn columns_fn = k.forward_columns(src, to_dtype(p.input_type));
     TORCH_CHECK(columns_fn != nullptr, "layernorm_ext: no CPU kernel for channels-first rows of ", p.input_type);
@@ -412,6 +450,12 @@ const char* isa_name() {
 }
 
 int64_t scratch_bytes() { return kept_scratch_bytes.load(); }
+
+int64_t set_stream_bytes(int64_t bytes) {
+  const int64_t previous = stream_threshold();
+  stream_bytes.store(bytes < 0 ? -1 : bytes);
+  return previous;
+}
 
 std::vector<std::string> supported_isas() {
   std::vector<std::string> out;

@@ -54,6 +54,9 @@ struct ForwardRows {
   bool scales_swizzled;  // (NormForwardParams)
   void* row_buffer;
   RowLayout input_rows, residual_rows, residual_out_rows, out_rows;
+  // out written with non-temporal stores (where a vector's address allows them), then a store fence: set for a
+  // caller's output larger than the last-level cache, which no consumer could read from there (norm_kernel.cpp).
+  bool stream_out;
 };
 using ForwardRowsFn = void (*)(const ForwardRows& a, int64_t begin, int64_t end);
 

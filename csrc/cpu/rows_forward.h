@@ -35,9 +35,10 @@ constexpr double kMaxDoubleShift = 0x1p-4;
 // out = xhat * weight + bias over one row, xhat = (x - hi) * rstd - lo * rstd (LayerNorm) or x * rstd (RMSNorm);
 // the flags are template arguments so that the loop has no branch but the tail. round_first (cast_before_weight,
 // only with a weight) rounds xhat to Y before the affine; for a Y of the compute type that is no rounding at all.
+// stream: out's whole vectors with non-temporal stores where out is aligned for them (ForwardRows::stream_out).
 template <bool kRms, bool kWeight, bool kBias, class C, class S, class Y>
 inline void normalize_row(const S* src, Y* out, const C* weight, const C* bias, int64_t n, C hi, C lo, C rstd,
-                          bool round_first) {
+                          bool round_first, bool stream) {
   constexpr int64_t L = kLanes<C>;
   const Vec<C> hi_v = broadcast<C>(hi), lo_scaled = broadcast<C>(lo * rstd), scale = broadcast<C>(rstd);
   auto normalize = [&](Vec<C> x, int64_t j, int64_t count, auto round_tag) {
@@ -58,7 +59,11 @@ inline void normalize_row(const S* src, Y* out, const C* weight, const C* bias, 
   };
   auto run = [&](auto round_tag) {
     int64_t j = 0;
-    for (; j + L <= n; j += L) store<C>(out + j, normalize(load<C>(src + j), j, L, round_tag));
+    if (stream && stream_aligned<C>(out)) {
+      for (; j + L <= n; j += L) stream_store<C>(out + j, normalize(load<C>(src + j), j, L, round_tag));
+    } else {
+      for (; j + L <= n; j += L) store<C>(out + j, normalize(load<C>(src + j), j, L, round_tag));
+    }
     if (j < n) store_part<C>(out + j, normalize(load_part<C>(src + j, n - j), j, n - j, round_tag), n - j);
   };
   if constexpr (kWeight && !std::is_same_v<C, Y>) {
@@ -70,21 +75,21 @@ inline void normalize_row(const S* src, Y* out, const C* weight, const C* bias, 
 // normalize_row with the flags of this call.
 template <class C, class S, class Y>
 inline void normalize(bool rms, const S* src, Y* out, const C* weight, const C* bias, int64_t n, C hi, C lo, C rstd,
-                      bool round_first) {
+                      bool round_first, bool stream = false) {
   if (rms) {
     if (weight != nullptr) {
-      normalize_row<true, true, false>(src, out, weight, bias, n, hi, lo, rstd, round_first);
+      normalize_row<true, true, false>(src, out, weight, bias, n, hi, lo, rstd, round_first, stream);
     } else {
-      normalize_row<true, false, false>(src, out, weight, bias, n, hi, lo, rstd, round_first);
+      normalize_row<true, false, false>(src, out, weight, bias, n, hi, lo, rstd, round_first, stream);
     }
   } else if (weight != nullptr && bias != nullptr) {
-    normalize_row<false, true, true>(src, out, weight, bias, n, hi, lo, rstd, round_first);
+    normalize_row<false, true, true>(src, out, weight, bias, n, hi, lo, rstd, round_first, stream);
   } else if (weight != nullptr) {
-    normalize_row<false, true, false>(src, out, weight, bias, n, hi, lo, rstd, round_first);
+    normalize_row<false, true, false>(src, out, weight, bias, n, hi, lo, rstd, round_first, stream);
   } else if (bias != nullptr) {
-    normalize_row<false, false, true>(src, out, weight, bias, n, hi, lo, rstd, round_first);
+    normalize_row<false, false, true>(src, out, weight, bias, n, hi, lo, rstd, round_first, stream);
   } else {
-    normalize_row<false, false, false>(src, out, weight, bias, n, hi, lo, rstd, round_first);
+    normalize_row<false, false, false>(src, out, weight, bias, n, hi, lo, rstd, round_first, stream);
   }
 }
 
@@ -277,6 +282,7 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
   C* rstd_out = static_cast<C*>(a.rstd);
   const RowLayout input_rows = a.input_rows, residual_rows = a.residual_rows;
   const RowLayout residual_out_rows = a.residual_out_rows, out_rows = a.out_rows;
+  const bool stream = a.stream_out && a.codes == nullptr;
   struct Pending {  // a row whose statistics are known, to be normalized
     const S* src;
     Y* out;
@@ -292,7 +298,8 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
       const C* bias_block = bias != nullptr ? bias + c0 : nullptr;
       for (int i = 0; i < pending; ++i) {
         const Pending& r = group[i];
-        normalize(rms, r.src + c0, r.out + c0, weight_block, bias_block, cols, r.hi, r.lo, r.rstd, round_first);
+        normalize(rms, r.src + c0, r.out + c0, weight_block, bias_block, cols, r.hi, r.lo, r.rstd, round_first,
+                  stream);
       }
     }
     pending = 0;
@@ -358,13 +365,14 @@ void forward_rows(const ForwardRows& a, int64_t begin, int64_t end) {
       normalize(rms, src, out, weight, bias, n, mean_hi, mean_lo, rstd, round_first);
       quantize_row(a, row, out, n);
     } else if (group_rows == 1) {
-      normalize(rms, src, out, weight, bias, n, mean_hi, mean_lo, rstd, round_first);
+      normalize(rms, src, out, weight, bias, n, mean_hi, mean_lo, rstd, round_first, stream);
     } else {
       group[pending++] = Pending{src, out, mean_hi, mean_lo, rstd};
       if (pending == group_rows) normalize_group();
     }
   }
   normalize_group();
+  if (stream) _mm_sfence();
 }
 
 }  // namespace

@@ -91,7 +91,8 @@ void segment_normalize(const ForwardRows& a, int64_t row, int64_t c0, int64_t c1
   const C* bias = a.bias != nullptr ? static_cast<const C*>(a.bias) + c0 : nullptr;
   const C hi = static_cast<C>(mean), lo = static_cast<C>(mean - static_cast<double>(hi));
   const C scale = static_cast<C>(rstd);
-  normalize(a.rms, src, out, weight, bias, c1 - c0, hi, lo, scale, a.cast_before_weight);
+  normalize(a.rms, src, out, weight, bias, c1 - c0, hi, lo, scale, a.cast_before_weight, a.stream_out);
+  if (a.stream_out) _mm_sfence();
 }
 
 // Backward over columns [c0, c1) of one row: the three sums, then (given the whole row's sums) dx and the

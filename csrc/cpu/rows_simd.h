@@ -272,6 +272,42 @@ inline void store(T* p, Vec<C> v) {
   }
 }
 
+// Non-temporal store of a vector of C as T at p (stream_aligned): the line is written without being read first and
+// leaves no copy in the caches. Callers end with a store fence (_mm_sfence) before their stores may be read.
+template <class C, class T>
+inline bool stream_aligned(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % (kLanes<C> * sizeof(T)) == 0;
+}
+
+template <class C, class T>
+inline void stream_store(T* p, Vec<C> v) {
+  constexpr size_t kBytes = kLanes<C> * sizeof(T);
+  alignas(64) T converted[kLanes<C>];
+  store<C>(converted, v);
+  if constexpr (kBytes == 64) {
+    __m512i bits;
+    std::memcpy(&bits, converted, kBytes);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), bits);
+  } else if constexpr (kBytes == 32) {
+    __m256i bits;
+    std::memcpy(&bits, converted, kBytes);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), bits);
+  } else if constexpr (kBytes == 16) {
+    __m128i bits;
+    std::memcpy(&bits, converted, kBytes);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), bits);
+  } else if constexpr (kBytes == 8) {
+    long long bits;
+    std::memcpy(&bits, converted, kBytes);
+    _mm_stream_si64(reinterpret_cast<long long*>(p), bits);
+  } else {
+    static_assert(kBytes == 4, "a vector of 4, 8, 16, 32 or 64 bytes");
+    int bits;
+    std::memcpy(&bits, converted, kBytes);
+    _mm_stream_si32(reinterpret_cast<int*>(p), bits);
+  }
+}
+
 // count < lanes values (the row's tail), the rest of the vector zero.
 template <class C, class T>
 inline Vec<C> load_part(const T* p, int64_t count) {
