@@ -677,9 +677,9 @@ def test_emulated_quantized_output_of_strided_rows(
     emulated, layout: str, d: int, dtype: torch.dtype, quant_dtype: torch.dtype, group_size: int  # noqa: ANN001
 ) -> None:
     """The quantized forward on strided rows: strided input, then (writable layouts) codes into a strided out=, the
-    residual strided and h written over it. The CUDA kernels' per-token variant (a scale per row) takes them in place;
-    the per-group one takes packed rows only (forward_kernels.cuh, StridedRows), so they are copied around it (the
-    profiler sees which); codes, scales and h are the same bits as on the contiguous copies."""
+    residual strided and h written over it. The CUDA kernels' register variants, per token and per group (NVFP4's
+    codes two a byte), take them in place (the profiler sees no copy); codes, scales and h are the same bits as on
+    the contiguous copies. (Per-group rows of single elements are copied: the test below.)"""
     if group_size and d % group_size:
         pytest.skip("groups must divide the row")
     x = _aligned_view(layout, d, dtype, seed=d)
@@ -690,8 +690,7 @@ def test_emulated_quantized_output_of_strided_rows(
     def quant(t: Tensor, residual: Tensor | None = None) -> tuple[Tensor, ...]:
         return emulated.rms_norm_quant(t, [d], weight, EPS, quant_dtype, scale, None, residual, group_size)
 
-    copied = group_size > 0
-    assert (_copies(lambda: quant(x)) != []) == copied, f"rms_norm_quant: copied={copied}"
+    assert _copies(lambda: quant(x)) == [], "rms_norm_quant"
     for i, (a, b) in enumerate(zip(quant(x), quant(x.contiguous()))):
         if a is not None:
             _same_bits(_as_bytes(a), _as_bytes(b), f"rms_norm_quant result {i}")
@@ -705,7 +704,7 @@ def test_emulated_quantized_output_of_strided_rows(
     scales = torch.empty_like(expected_scales)
     call = lambda: emulated.rms_norm_quant_into(x, [d], weight, EPS, out, scale, scales, h, h,  # noqa: E731
                                                 group_size=group_size)
-    assert (_copies(call) != []) == copied, f"rms_norm_quant_into: copied={copied}"
+    assert _copies(call) == [], "rms_norm_quant_into"
     _same_bits(_as_bytes(out), _as_bytes(expected_codes), "codes out=")
     _same_bits(_as_bytes(scales), _as_bytes(expected_scales), "scales out=")
     _same_bits(h, expected_h, "h over the residual")
@@ -714,7 +713,8 @@ def test_emulated_quantized_output_of_strided_rows(
 
 def test_emulated_strided_rows_copied_beyond_the_register_paths(emulated) -> None:  # noqa: ANN001
     """What the CUDA kernels do not take in place is copied around them (launch_on_rows), with the same bits: rows
-    beyond the registers of a block (the long forward and backward)."""
+    beyond the registers of a block (the long forward and backward), and per-group quantized rows of single elements
+    (no register variant: the long kernel)."""
     d = 5125  # odd: single elements, beyond 512 lanes x 4
     x = _view("qkv", d, F32, seed=0)
     weight, bias = _params(d, F32, rms=False)
@@ -726,6 +726,12 @@ def test_emulated_strided_rows_copied_beyond_the_register_paths(emulated) -> Non
     assert "aten::copy_" in _copies(lambda: bwd(grad, x))
     for i, (a, b) in enumerate(zip(bwd(grad, x), bwd(grad.contiguous(), x.contiguous()))):
         _same_bits(a, b, f"long backward result {i}")
+    x = _view("slice", 64, F32, seed=2)  # rows 2 elements into 69: no 16-byte packs
+    weight = _params(64, F32, rms=True)[0]
+    quant = lambda t: emulated.rms_norm_quant(t, [64], weight, EPS, torch.float8_e4m3fn, None, None, None, 32)  # noqa: E731
+    assert "aten::copy_" in _copies(lambda: quant(x))
+    for i, (a, b) in enumerate(zip(quant(x), quant(x.contiguous()))):
+        _same_bits(_as_bytes(a), _as_bytes(b), f"per-group result {i}")
 
 
 def _on_cuda(v: Tensor) -> Tensor:
@@ -740,8 +746,8 @@ def _on_cuda(v: Tensor) -> Tensor:
 @pytest.mark.parametrize("layout", ["qkv", "slice", "transposed", "expanded"])
 def test_cuda_register_paths_take_strided_rows_in_place(layout: str, d: int, dtype: torch.dtype) -> None:
     """The emulated tests above on a GPU, through the library's ops: QK-norm forward + backward on strided views, no
-    copy (the profiler), nor for the per-token fp8 output or the in-place residual add on strided input and residual,
-    the same bits as on contiguous copies."""
+    copy (the profiler), nor for the per-token and per-group fp8 output or the in-place residual add on strided input
+    and residual, the same bits as on contiguous copies."""
     x = _on_cuda(_aligned_view(layout, d, dtype, seed=d))
     assert x.stride() == _aligned_view(layout, d, dtype, seed=d).stride()
     weight = _params(d, dtype, rms=True)[0].cuda()
@@ -755,10 +761,13 @@ def test_cuda_register_paths_take_strided_rows_in_place(layout: str, d: int, dty
     assert _copies(lambda: run(x)) == []
     for name, a, b in zip(("out", "grad_input", "grad_weight"), run(x), run(x.contiguous())):
         _same_bits(a, b, name)
-    quant = lambda t: L.rms_norm_quant(t, d, weight, EPS, quant_dtype=torch.float8_e4m3fn)  # noqa: E731
-    assert _copies(lambda: quant(x)) == [], "rms_norm_quant, a scale per row"
-    for name, a, b in zip(("codes", "scales"), quant(x), quant(x.contiguous())):
-        _same_bits(_as_bytes(a), _as_bytes(b), name)
+    def quant(t: Tensor, group_size: int) -> tuple[Tensor, ...]:
+        return L.rms_norm_quant(t, d, weight, EPS, quant_dtype=torch.float8_e4m3fn, group_size=group_size)
+
+    for group_size in (0, 64) if d % 64 == 0 else (0,):  # a scale per row, per group
+        assert _copies(lambda: quant(x, group_size)) == [], f"rms_norm_quant, group_size={group_size}"  # noqa: B023
+        for name, a, b in zip(("codes", "scales"), quant(x, group_size), quant(x.contiguous(), group_size)):
+            _same_bits(_as_bytes(a), _as_bytes(b), f"{name}, group_size={group_size}")
     if layout in WRITABLE:
         _, x_view = _aligned_buffer_view(layout, d, dtype)
         _, r_view = _buffer_view("qkv", d, dtype)

@@ -66,15 +66,14 @@ struct GroupQuantArgs : QuantArgs {};
 // that the strides are whole units). The register path's variants with a residual always take it (a contiguous call
 // passes packed layouts: a product per operand and row, where the packed variant shares one), so that they need no
 // strided twins in the build; the plain variant has a twin that takes it beside its packed one, which indexes every
-// operand at row * units. The per-token quantized variant always takes it too, after its QuantArgs (out: the codes'
-// rows); the per-group one takes none (strided rows are copied around it): with strided offsets its registers grew
-// by up to 28 (ptxas sm_90, RMSNorm float rows, 4 packs: 82 -> 110, one block per SM where there were two).
+// operand at row * units. The quantized variants (per token, per group) always take it too, after their QuantArgs
+// (out: the codes' rows, in packs of codes: kVec bytes, NVFP4's kVec / 2).
 struct StridedRows {
   RowLayout input, residual, out, residual_out;
 };
 
-// The kernels' optional trailing parameters (none; QuantArgs or GroupQuantArgs; StridedRows; or QuantArgs then
-// StridedRows), unpacked where there are some.
+// The kernels' optional trailing parameters (none; StridedRows; or QuantArgs or GroupQuantArgs, then StridedRows),
+// unpacked where there are some.
 __device__ __forceinline__ const QuantArgs& quant_args(const QuantArgs& q) { return q; }
 __device__ __forceinline__ const QuantArgs& quant_args(const QuantArgs& q, const StridedRows&) { return q; }
 
@@ -91,9 +90,9 @@ template <typename A>
 __device__ __forceinline__ RowUnits row_units(const ForwardArgs<A>&, int64_t row, const StridedRows& s) {
   return {s.input.offset32(row), s.residual.offset32(row), s.out.offset32(row), s.residual_out.offset32(row)};
 }
-template <typename A>
-__device__ __forceinline__ RowUnits row_units(const ForwardArgs<A>& a, int64_t row, const QuantArgs&,
-                                              const StridedRows& s) {
+// Q: QuantArgs or GroupQuantArgs (a template, so that it is chosen over the packed rows' for both).
+template <typename A, typename Q>
+__device__ __forceinline__ RowUnits row_units(const ForwardArgs<A>& a, int64_t row, const Q&, const StridedRows& s) {
   return row_units(a, row, s);
 }
 
@@ -285,14 +284,14 @@ __device__ __forceinline__ void zero_swizzle_padding(const QuantArgs& q, int64_t
   for (int64_t group = q.groups; group % 4 != 0; ++group) q.block_scales[group_scale_index(q, row, group)] = 0;
 }
 
-// The codes of one pack of a per-group row (unit: its index among the row's packs), scaled by its group's
-// scaling. NVFP4 packs two codes a byte (an even column in the low nibble); with single-element packs a lane
-// takes its odd neighbour's code by a shuffle, so every thread of the block must call it alike (`valid`: the pack
-// is this thread's).
+// The codes of one pack of a per-group row (unit: its index among the row's packs; out_unit: where the row's codes
+// begin, in packs of codes: kVec bytes, NVFP4's kVec / 2), scaled by its group's scaling. NVFP4 packs two codes a
+// byte (an even column in the low nibble); with single-element packs a lane takes its odd neighbour's code by a
+// shuffle, so every thread of the block must call it alike (`valid`: the pack is this thread's).
 template <int kVec>
-__device__ __forceinline__ void store_group_codes(const QuantArgs& q, int64_t row, int64_t units, int64_t unit,
-                                                  bool valid, const float (&f)[kVec], quant::Scaling scaling) {
-  const int64_t at = row * units + unit;
+__device__ __forceinline__ void store_group_codes(const QuantArgs& q, int64_t out_unit, int64_t unit, bool valid,
+                                                  const float (&f)[kVec], quant::Scaling scaling) {
+  const int64_t at = out_unit + unit;
   if (q.code == quant::Code::kE2m1) {
     uint8_t c[kVec];
 #pragma unroll
@@ -439,9 +438,9 @@ constexpr bool early_affine() {
 // computes its output values twice from the registers, folding their absmax (all-reduced over the row) for a
 // dynamic scale, then stores codes.
 // kResidual (a.residual given) is a compile-time flag: the kernel without one keeps no registers for the
-// residual's packs and no branch on it. Extra: none (packed rows), GroupQuantArgs (packed rows, a scale per
-// group), StridedRows (each operand's rows at their own offsets: every plain variant with a residual, and the
-// strided twin without), or QuantArgs then StridedRows (a scale per row; codes at out's offsets).
+// residual's packs and no branch on it. Extra: none (packed rows), StridedRows (each operand's rows at their own
+// offsets: every plain variant with a residual, and the strided twin without), or QuantArgs (a scale per row) or
+// GroupQuantArgs (a scale per group), then StridedRows (codes at out's offsets).
 // Occupancy: one block of kMaxRowThreads per SM at least (128 registers); two (64 registers) spilled 236 bytes in
 // the bfloat16 RMSNorm kernel.
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual, typename... Extra>
@@ -685,7 +684,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
         if (valid[p]) output_floats<Tin, Tw, kRms, A, kVec>(a, h[p], st, affine(p), f);
         const quant::Scaling scaling =
             group_scaling(q, global, row, unit / q.group_units, absmax[p], valid[p] && unit % q.group_units == 0);
-        store_group_codes<kVec>(q, row, a.units, unit, valid[p], f, scaling);
+        store_group_codes<kVec>(q, at.out, unit, valid[p], f, scaling);
       }
       if (writer) zero_swizzle_padding(q, row);
     } else {
@@ -1024,7 +1023,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
           absmax = group_absmax(absmax, q.group_units, warp_absmax, round);
           const quant::Scaling scaling =
               group_scaling(q, global, row, unit / q.group_units, absmax, valid[p] && unit % q.group_units == 0);
-          store_group_codes<kVec>(q, row, a.units, unit, valid[p], f, scaling);
+          store_group_codes<kVec>(q, row * a.units, unit, valid[p], f, scaling);
         }
       });
       if (writer) zero_swizzle_padding(q, row);

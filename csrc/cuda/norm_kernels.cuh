@@ -233,7 +233,7 @@ std::string kernel_name(const char* function, bool rms, int vec, int packs, bool
 
 // Whether per-group quantized rows of Th in packs of kVec have a register variant: packed rows no wider than float,
 // what models quantize per group (fp8 groups, MX, NVFP4). Single elements (misaligned or odd rows) and float64
-// rows take the long kernel instead: their 42 of the 82 per-group register variants cost the build (CI's, on 2
+// rows take the long kernel instead: their 50 of the 82 per-group register variants cost the build (CI's, on 2
 // cores) compile time that no model's call needs.
 template <typename Th, int kVec>
 constexpr bool kGroupRows = kVec > 1 && !std::is_same_v<Th, double>;
@@ -385,12 +385,12 @@ bool rows_in_whole_units(const NormForwardParams& p) {
 }
 
 // Returns false, launching nothing, for strided rows (p's layouts not all packed: the caller copies them) that the
-// register path does not take: rows beyond its registers, a quantized output per group, or no variant for them
-// (kStridedTwin).
+// register path does not take: rows beyond its registers (per-group quantized rows without a register variant
+// included, kGroupRows), or no variant for them (kStridedTwin).
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, bool kQuant>
 bool launch_forward_vec(const NormForwardParams& p, bool strided, cudaStream_t stream) {
   using A = acc_t<Th>;
-  const bool has_twin = kQuant ? p.group_size == 0 : p.residual != nullptr || kStridedTwin<Tin, Th>;
+  const bool has_twin = kQuant || p.residual != nullptr || kStridedTwin<Tin, Th>;
   if (strided && !has_twin) return false;
   if (strided && !rows_fit_offset32(p)) return false;
   ForwardArgs<A> a = forward_args<A>(p, kVec);
@@ -427,8 +427,11 @@ bool launch_forward_vec(const NormForwardParams& p, bool strided, cudaStream_t s
       if constexpr (kQuant) {
         if (q.group_units > 0) {
           if constexpr (kGroupRows<Th, kVec>) {
-            auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, kResidual, GroupQuantArgs>;
-            LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, GroupQuantArgs{q});
+            StridedRows rows = strided_rows<kVec>(p);
+            // NVFP4's codes, two a byte: its rows' layout counts bytes, the kernel packs of kVec / 2 of them.
+            if (p.quant_type == ScalarType::Float4_e2m1fn_x2) rows.out = in_units<kVec / 2>(p.out_rows);
+            auto kernel = forward_rows_kernel<Tin, Th, Tw, kRms, kVec, kPacks, kResidual, GroupQuantArgs, StridedRows>;
+            LNX_LAUNCH(kernel, grid, plan.threads, 0, stream)(a, GroupQuantArgs{q}, rows);
           } else {
             TORCH_INTERNAL_ASSERT(false, "layernorm_ext: per-group rows without a register variant planned on it");
           }
