@@ -120,7 +120,8 @@ static void define_schemas(torch::Library& m) {
 
 namespace {
 
-// torch.autocast on CUDA runs layer_norm and rms_norm in float32 (both are on ATen's fp32 list): cast the
+// torch.autocast on CUDA runs layer_norm in float32, and rms_norm too from torch 2.13 (ATen's fp32 list; 2.11
+// leaves rms_norm alone: an H200 run returned bfloat16): where the running torch's ATen op casts, cast the
 // float16/bfloat16 CUDA tensor arguments to float32 and call the op again below the autocast keys. On CPU ATen
 // leaves the norms alone under autocast, and so do we (the CPU autocast key falls through).
 // With a residual, the stand-in is `h = input + residual` (autocast leaves add alone, so h keeps the promoted
@@ -164,11 +165,21 @@ void autocast_cuda_to_fp32(const c10::OperatorHandle& op, torch::jit::Stack* sta
   }
 }
 
+// Whether the running torch's own op `name` has a CUDA autocast kernel (ATen registers its before ours loads).
+bool aten_autocasts_on_cuda(const char* name) {
+  const auto op = c10::Dispatcher::singleton().findSchema({name, ""});
+  return op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::AutocastCUDA);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(layernorm_ext, AutocastCUDA, m) {
-  m.impl("layer_norm_fwd", torch::CppFunction::makeFromBoxedFunction<&autocast_cuda_to_fp32>());
-  m.impl("rms_norm_fwd", torch::CppFunction::makeFromBoxedFunction<&autocast_cuda_to_fp32>());
+  if (aten_autocasts_on_cuda("aten::layer_norm")) {
+    m.impl("layer_norm_fwd", torch::CppFunction::makeFromBoxedFunction<&autocast_cuda_to_fp32>());
+  }
+  if (aten_autocasts_on_cuda("aten::rms_norm")) {
+    m.impl("rms_norm_fwd", torch::CppFunction::makeFromBoxedFunction<&autocast_cuda_to_fp32>());
+  }
 }
 
 #ifndef LAYERNORM_EXT_WITH_CUDA

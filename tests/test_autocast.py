@@ -201,6 +201,18 @@ def test_functional_autocast_cuda(
     check_against_torch("cuda", autocast_dtype, variant, *dtypes)
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_cuda_autocast_policy_is_atens(op: str) -> None:
+    """Ours has a CUDA autocast kernel exactly where the running torch's ATen op has one (rms_norm has one from
+    torch 2.13 on; under 2.11 an H200 run returned bfloat16 from ATen and float32 from ours). Read off the
+    dispatcher, so it runs without a GPU."""
+
+    def autocasts(name: str) -> bool:
+        return "AutocastCUDA: registered" in torch._C._dispatch_dump(name)
+
+    assert autocasts(f"layernorm_ext::{op}_fwd") == autocasts(f"aten::{op}")
+
+
 # ---- modules -----------------------------------------------------------------------------------------------------
 
 
