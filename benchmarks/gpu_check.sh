@@ -8,8 +8,8 @@
 # Every step runs under `timeout`, its limit cut so that the steps after it keep their share of the total
 # (GPU_CHECK_TOTAL_S, default 470 s); a failing step is recorded and the next one runs. A step that runs out of
 # time gets SIGINT first, so that pytest still prints its summary and writes its junit file. Files (flat):
-#   build.log  tests.log  tests.xml  failures.txt  memcheck.log  racecheck.log  overhead.log  overhead.md  bench.log
-#   bench.md  summary.txt
+#   build.log  crash_probe.log  tests.log  tests.xml  failures.txt  memcheck.log  racecheck.log  overhead.log
+#   overhead.md  bench.log  bench.md  summary.txt
 # tests.log has one line per test as it finishes (-v), so failures.txt (every FAILED / ERROR test with its
 # message, from the junit file, or from the log where the run was killed) lists every failure even after a
 # time-out. The summary (also printed last) names the commit (or GPU_CHECK_COMMIT when the copy has no .git)
@@ -67,6 +67,9 @@ INFO=$(timeout 120 "$PY" -c 'import torch, layernorm_ext as L
 print("build_info:", L.build_info())
 print("torch", torch.__version__, "cuda", torch.version.cuda, "|", torch.cuda.get_device_name(), torch.cuda.device_count(), "GPU(s)")' 2>&1 | tail -n 3)
 echo "$INFO"
+
+# ---- 1b. refused calls, each in a child process, with a native backtrace of any crash (2026-12-04: SIGSEGV) ----
+step crash_probe 60 400 crash_probe.log "$PY" benchmarks/crash_probe.py
 
 # ---- 2. tests: test_cuda.py and the CUDA parametrizations of the other files (one CPU instruction set), in one
 # run over every core (about 2 minutes for test_cuda.py alone at 16 workers) ---------------------------------------
@@ -131,6 +134,7 @@ step bench 600 5 bench.log "$PY" benchmarks/bench.py --gpu-check --out "$OUT/ben
   echo "$INFO"
   echo "ptxas: $KERNELS kernels reported, max ${MAXREG:-?} registers, $SPILLING with spills, $STACK with a stack frame"
   grep -E '[1-9][0-9]* bytes spill (stores|loads)' -B1 "$OUT/build.log" | grep -oE "Function properties for [^ ]+|[0-9]+ bytes spill.*" | head -n 10
+  [ -f "$OUT/crash_probe.log" ] && grep -E '^crash_probe:| exit -' "$OUT/crash_probe.log"
   echo "tests: $(grep -E ' in [0-9.]+s' "$OUT/tests.log" | tail -n 1)"
   head -n 25 "$OUT/failures.txt"
   for t in memcheck racecheck; do

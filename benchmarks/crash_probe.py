@@ -1,0 +1,88 @@
+#!/usr/bin/env python
+"""Where a refused call kills the process: each bad call of the H200 crashes alone, in a child process.
+
+    python benchmarks/crash_probe.py                 # cuda and cpu; a C++ backtrace of each crash where a gdb is found
+
+On an H200 (2026-12-04, torch 2.11, a build by g++ 13.3) every refused call whose message prints integers (shape
+mismatches, group_size not dividing the row) died with SIGSEGV, and only those: the ones that print dtypes or
+devices raised as they should. Each case runs in its own child; a child killed by a signal is run again under
+gdb (or cuda-gdb, which debugs host code too) in batch mode for the native backtrace. Exit status 0 when every
+case raised its RuntimeError, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+# (name, code run after `import torch, layernorm_ext as L` with `dev` set): each must raise RuntimeError.
+CASES = {
+    "dtype_message": "L.layer_norm(torch.ones(4, 8, device=dev), [8], torch.ones(8, device=dev, dtype=torch.int64))",
+    "shape_message": "L.layer_norm(torch.ones(4, 8, device=dev), [7])",
+    "shape_message_op": "torch.ops.layernorm_ext.layer_norm_fwd(torch.ones(4, 8, device=dev), [7], None, None, 1e-5)",
+    "weight_shape_message": "L.rms_norm(torch.ones(4, 8, device=dev), [8], torch.ones(7, device=dev))",
+    "int_only_message": "L.rms_norm_quant(torch.ones(2, 64, device=dev), [64], torch.ones(64, device=dev), "
+                        "quant_dtype=torch.float8_e4m3fn, group_size=128)",
+    "c10_message_of_aten": "torch.ones(4, 8, device=dev).view(5, 7)",
+}
+
+CHILD = """
+import sys, torch, layernorm_ext as L
+dev = {dev!r}
+try:
+    {code}
+except RuntimeError as e:
+    print("raised:", str(e).splitlines()[0][:160])
+    sys.exit(0)
+print("no error")
+sys.exit(3)
+"""
+
+
+def run_case(dev: str, code: str, timeout: float) -> tuple[int, str]:
+    child = textwrap.dedent(CHILD).format(dev=dev, code=code)
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=timeout)
+    return run.returncode, (run.stdout + run.stderr).strip()
+
+
+def backtrace(dev: str, code: str, timeout: float) -> str:
+    gdb = shutil.which("gdb") or shutil.which("cuda-gdb")
+    if gdb is None:
+        return "(no gdb or cuda-gdb on PATH)"
+    child = textwrap.dedent(CHILD).format(dev=dev, code=code)
+    cmd = [gdb, "-batch", "-ex", "run", "-ex", "bt 40", "-ex", "info sharedlibrary", "--args", sys.executable, "-c",
+           child]
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"({gdb} timed out)"
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if line.startswith(("#", "0x", "Thread", "Program"))
+             or "libstdc++" in line or "_C." in line]
+    return "\n".join(lines[-80:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--devices", default="cuda,cpu")
+    p.add_argument("--timeout", type=float, default=120.0)
+    opts = p.parse_args(argv)
+    bad = 0
+    for dev in opts.devices.split(","):
+        for name, code in CASES.items():
+            rc, text = run_case(dev, code, opts.timeout)
+            signame = signal.Signals(-rc).name if rc < 0 else ""
+            print(f"{dev:5s} {name:22s} exit {rc} {signame} {text.splitlines()[-1][:140] if text else ''}", flush=True)
+            if rc != 0:
+                bad += 1
+                if rc < 0:
+                    print(textwrap.indent(backtrace(dev, code, opts.timeout), "    "), flush=True)
+    print(f"crash_probe: {bad} of {len(CASES) * len(opts.devices.split(','))} cases did not raise cleanly")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
