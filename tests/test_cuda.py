@@ -645,11 +645,11 @@ def test_no_sync(fn: str) -> None:
 
 
 @pytest.mark.parametrize("fn", ["layer_norm", "rms_norm"])
-def test_no_sync_memory_efficient(fn: str) -> None:
-    """memory_efficient=True with parameters that require grad (in the input's dtype, so the values decide): the
-    first forward reads them (one sync, outside the check; it fills the cache). Later forwards and backwards
-    with the same, unchanged parameters never synchronize and still save the output. An in-place update makes
-    the next forward read them once more (outside the check), then no more."""
+def test_no_sync_memory_efficient_device_verdict(fn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """memory_efficient=True with parameters that require grad (in the input's dtype, so the values decide) and
+    LAYERNORM_EXT_MEMEFF_DEVICE_VERDICT=1: forwards and backwards never synchronize and still save the output,
+    also after an in-place update of the weight. (By default each such forward reads its verdict: one sync.)"""
+    monkeypatch.setenv("LAYERNORM_EXT_MEMEFF_DEVICE_VERDICT", "1")
     n = 2048
     ln = fn == "layer_norm"
     gen = torch.Generator(device=CUDA).manual_seed(5)
@@ -680,12 +680,37 @@ def test_no_sync_memory_efficient(fn: str) -> None:
         finally:
             torch.cuda.set_sync_debug_mode(previous)
 
-    step()  # reads the parameters (and lazy init may sync)
+    step()  # lazy init may sync
     step_without_sync()
     with torch.no_grad():
         w.mul_(1.01)  # still safe; a new version
-    step()  # reads them again
     step_without_sync()
+
+
+@pytest.mark.parametrize("fn", ["layer_norm", "rms_norm"])
+def test_memory_efficient_zero_padded_rows_exact(fn: str) -> None:
+    """A batch with zero-padded rows (variance far below eps: the output cannot stand in) and a weight entry 0:
+    the default way reads the verdict and saves the input, so the gradients are memory_efficient=False's, bit
+    for bit (the device's way returned NaN for every dx here)."""
+    n = 1024
+    gen = torch.Generator(device=CUDA).manual_seed(23)
+    x = _cuda_randn(gen, 16, n, dtype=BF16)
+    x[3:6] = 0
+    w = _cuda_randn(gen, n, dtype=BF16, scale=0.1, shift=1.0)
+    w[7] = 0
+    b = _cuda_randn(gen, n, dtype=BF16, scale=0.2) if fn == "layer_norm" else None
+    g = _cuda_randn(gen, 16, n, dtype=BF16)
+    results = []
+    for memory_efficient in (True, False):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, b) if t is not None]
+        if fn == "layer_norm":
+            out = L.layer_norm(leaves[0], n, leaves[1], leaves[2], memory_efficient=memory_efficient)
+        else:
+            out = L.rms_norm(leaves[0], n, leaves[1], memory_efficient=memory_efficient)
+        results.append(torch.autograd.grad(out, leaves, g))
+    for i, (eff, plain) in enumerate(zip(*results, strict=True)):
+        assert torch.isfinite(eff).all(), f"gradient {i} not finite"
+        _same_bits(eff, plain, f"gradient {i}")
 
 
 # ---- torch.compile --------------------------------------------------------------------------------------------
