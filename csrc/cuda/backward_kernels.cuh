@@ -78,6 +78,11 @@ struct RowCoefficients {
 
 __device__ __forceinline__ float fused_multiply_add(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 __device__ __forceinline__ double fused_multiply_add(double a, double b, double c) { return __fma_rn(a, b, c); }
+// A product rounded as written, never fused into what uses it: g = dy * w must be the same rounded value in
+// sum(g) and in g - mean_g, or rows of one element get dx = rstd * (dy * w - round(dy * w)) instead of 0 (an H200,
+// 2026-12-04: 2e-5 in float32, nvcc's default --fmad=true).
+__device__ __forceinline__ float multiply_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double multiply_rn(double a, double b) { return __dmul_rn(a, b); }
 
 template <bool kRms, typename A, typename S>
 __device__ __forceinline__ RowCoefficients<A> row_coefficients(const BackwardArgs<A>& a, A rstd,
@@ -187,7 +192,7 @@ __device__ __forceinline__ void element_terms(const RawPack<Tg, kVec>& dy_raw, c
   } else if constexpr (!kRms) {
     d -= mean;
   }
-  g = dy * w;
+  g = multiply_rn(dy, w);
 }
 
 // Register path, persistent. Threads to rows: rows_per_block groups of `lanes` threads per block (a sub-warp,
