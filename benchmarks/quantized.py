@@ -33,7 +33,9 @@ def composite(x: torch.Tensor, w: torch.Tensor, quant_dtype: torch.dtype, group_
     int8, as vLLM; per group: y * (1 / scale))."""
     y = L.rms_norm(x, x.shape[-1], w, 1e-6).float()
     groups = y.unflatten(-1, (-1, group_size if group_size else y.shape[-1]))
-    scale = (groups.abs().amax(-1, keepdim=True) / QMAX[quant_dtype]).clamp_min(MIN_SCALE[quant_dtype])
+    # A tensor divisor: CUDA divides by a Python number as a multiplication by its reciprocal, not a division.
+    qmax = torch.full((), QMAX[quant_dtype], device=y.device)
+    scale = (groups.abs().amax(-1, keepdim=True) / qmax).clamp_min(MIN_SCALE[quant_dtype])
     divide = group_size == 0 and quant_dtype == torch.float8_e4m3fn
     v = (groups / scale if divide else groups * scale.reciprocal()).flatten(-2)
     if quant_dtype == torch.int8:
