@@ -55,7 +55,8 @@ def build_emulation() -> ModuleType:
 
     from layernorm_ext.jit import build_lock
 
-    fma = ["-mfma", "-ffp-contract=fast"] if _cpu_has_fma() else []
+    # GCC contracts only under -fexpensive-optimizations (on from -O2): at -O1 without it, nothing was fused.
+    fma = ["-mfma", "-ffp-contract=fast", "-fexpensive-optimizations"] if _cpu_has_fma() else []
     name = "layernorm_ext_cuda_emulation" + ("_fma" if fma else "")
     build_dir = REPO / "build" / f"{name}-py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
     with build_lock(str(build_dir)):
