@@ -78,11 +78,6 @@ struct RowCoefficients {
 
 __device__ __forceinline__ float fused_multiply_add(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 __device__ __forceinline__ double fused_multiply_add(double a, double b, double c) { return __fma_rn(a, b, c); }
-// A product rounded as written, never fused into what uses it: g = dy * w must be the same rounded value in
-// sum(g) and in g - mean_g, or rows of one element get dx = rstd * (dy * w - round(dy * w)) instead of 0 (an H200,
-// 2026-12-04: 2e-5 in float32, nvcc's default --fmad=true).
-__device__ __forceinline__ float multiply_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double multiply_rn(double a, double b) { return __dmul_rn(a, b); }
 
 template <bool kRms, typename A, typename S>
 __device__ __forceinline__ RowCoefficients<A> row_coefficients(const BackwardArgs<A>& a, A rstd,
@@ -98,6 +93,10 @@ __device__ __forceinline__ RowCoefficients<A> row_coefficients(const BackwardArg
   c.rstd = rstd;
   c.mean_g = kRms ? A(0) : static_cast<A>(sum_g * inv);
   c.k = static_cast<A>(sum_gx * inv * static_cast<double>(c.xscale));
+  // LayerNorm of one element: dx is 0, but nvcc fuses g = dy * w into g - mean_g, whose exact product then misses
+  // the rounded one in mean_g (an H200: dx 2e-5 in float32). Per row: rounding g as written (__fmul_rn) cost an
+  // instruction per element, over the audit's 28 for the bfloat16 backward.
+  if (!kRms && a.cols == 1) c.rstd = A(0);
   return c;
 }
 
@@ -192,7 +191,7 @@ __device__ __forceinline__ void element_terms(const RawPack<Tg, kVec>& dy_raw, c
   } else if constexpr (!kRms) {
     d -= mean;
   }
-  g = multiply_rn(dy, w);
+  g = dy * w;
 }
 
 // Register path, persistent. Threads to rows: rows_per_block groups of `lanes` threads per block (a sub-warp,

@@ -57,17 +57,6 @@ inline float __frsqrt_rn(float v) {  // correctly rounded, as on the GPU (1.0f /
 inline double rsqrt(double v) { return 1.0 / std::sqrt(v); }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
-// Rounded products that -ffp-contract=fast must not fuse into their users (the empty asm makes the value opaque).
-inline float __fmul_rn(float a, float b) {
-  float p = a * b;
-  asm("" : "+m"(p));
-  return p;
-}
-inline double __dmul_rn(double a, double b) {
-  double p = a * b;
-  asm("" : "+m"(p));
-  return p;
-}
 
 struct uint3 {
   unsigned x = 0, y = 0, z = 0;
