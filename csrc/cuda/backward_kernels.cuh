@@ -93,10 +93,6 @@ __device__ __forceinline__ RowCoefficients<A> row_coefficients(const BackwardArg
   c.rstd = rstd;
   c.mean_g = kRms ? A(0) : static_cast<A>(sum_g * inv);
   c.k = static_cast<A>(sum_gx * inv * static_cast<double>(c.xscale));
-  // LayerNorm of one element: dx is 0, but nvcc fuses g = dy * w into g - mean_g, whose exact product then misses
-  // the rounded one in mean_g (an H200: dx 2e-5 in float32). Per row: rounding g as written (__fmul_rn) cost an
-  // instruction per element, over the audit's 28 for the bfloat16 backward.
-  if (!kRms && a.cols == 1) c.rstd = A(0);
   return c;
 }
 
@@ -294,7 +290,14 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs<acc_t<Ts>>& a, 
     if constexpr (kCluster) s = cluster_allreduce<kMaxRowThreads>(s, a.lanes / 32, scratch[parity]);
     else s = row_allreduce_one_barrier(s, a.lanes, scratch[parity]);
     parity ^= 1;
-    const RowCoefficients<A> c = row_coefficients<kRms>(a, rstd, s);
+    RowCoefficients<A> c = row_coefficients<kRms>(a, rstd, s);
+    // LayerNorm of one element: dx is 0, but nvcc fuses g = dy * w into g - mean_g, whose exact product then misses
+    // the rounded one in mean_g (an H200: dx 2e-5 in float32). Only in the single-element variant: rounding g as
+    // written (__fmul_rn) cost every kernel an instruction per element, and a per-row test 0.5 in the cluster
+    // kernel, over the audit's 28 for the bfloat16 backward.
+    if constexpr (!kRms && kVec == 1 && kPacks == 1 && !kCluster) {
+      if (a.cols == 1) c.rstd = A(0);
+    }
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
       if (valid[p]) {
