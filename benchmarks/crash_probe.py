@@ -1,18 +1,21 @@
 #!/usr/bin/env python
 """Where a refused call kills the process: each bad call of the H200 crashes alone, in a child process.
 
-    python benchmarks/crash_probe.py                 # cuda and cpu; a C++ backtrace of each crash where a gdb is found
+    python benchmarks/crash_probe.py                 # cuda and cpu; a C++ backtrace of the first crash per device (gdb)
 
-On an H200 (2026-12-04, torch 2.11, a build by g++ 13.3) every refused call whose message prints integers (shape
-mismatches, group_size not dividing the row) died with SIGSEGV, and only those: the ones that print dtypes or
-devices raised as they should. Each case runs in its own child; a child killed by a signal is run again under
-gdb (or cuda-gdb, which debugs host code too) in batch mode for the native backtrace. Exit status 0 when every
-case raised its RuntimeError, 1 otherwise.
+On an H200 (2026-12-04, torch 2.11, a build by g++ 13.3, libstdc++.so.6.0.33 loaded) every refused call whose
+message prints integers (shape mismatches, group_size not dividing the row) died with SIGSEGV, on the CUDA and the
+CPU tensors alike, and only those: the ones that print dtypes or devices raised as they should, as did ATen's own
+integer message. Each case runs in its own child (with faulthandler's Python stack); the first child per device
+killed by a signal is run again under gdb (or cuda-gdb, which debugs host code too) in batch mode for the native
+backtrace, the faulting instructions and the registers. Exit status 0 when every case raised its RuntimeError, 1
+otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import shutil
 import signal
 import subprocess
@@ -28,11 +31,17 @@ CASES = {
     "int_only_message": "L.rms_norm_quant(torch.ones(2, 64, device=dev), [64], torch.ones(64, device=dev), "
                         "quant_dtype=torch.float8_e4m3fn, group_size=128)",
     "c10_message_of_aten": "torch.ones(4, 8, device=dev).view(5, 7)",
+    # ATen's integer message (an allocation of 32 TiB), thrown inside our op and unwound through our frames: raising
+    # cleanly while our own integer messages crash puts the fault in how our library formats, not in the unwinding.
+    "aten_message_through_ours": "L.layer_norm(torch.ones(1, 8, device=dev).expand(2**40, 8), [8])",
 }
 
 CHILD = """
 import sys, torch, layernorm_ext as L
 dev = {dev!r}
+if {maps}:  # which C++ runtimes this process loaded: a mismatch between builder and loader is one suspect
+    libs = {{line.split()[-1] for line in open("/proc/self/maps") if "libstdc++" in line or "libgcc_s" in line}}
+    print("loaded:", " ".join(sorted(libs)), flush=True)
 try:
     {code}
 except RuntimeError as e:
@@ -43,26 +52,33 @@ sys.exit(3)
 """
 
 
-def run_case(dev: str, code: str, timeout: float) -> tuple[int, str]:
-    child = textwrap.dedent(CHILD).format(dev=dev, code=code)
-    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=timeout)
+def run_case(dev: str, code: str, timeout: float, maps: bool = False) -> tuple[int, str]:
+    child = textwrap.dedent(CHILD).format(dev=dev, code=code, maps=maps)
+    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", child], capture_output=True, text=True,
+                         timeout=timeout)
     return run.returncode, (run.stdout + run.stderr).strip()
 
 
 def backtrace(dev: str, code: str, timeout: float) -> str:
-    gdb = shutil.which("gdb") or shutil.which("cuda-gdb")
+    found = sorted(glob.glob("/usr/local/cuda*/bin/cuda-gdb"))
+    gdb = shutil.which("gdb") or shutil.which("cuda-gdb") or (found[0] if found else None)
     if gdb is None:
-        return "(no gdb or cuda-gdb on PATH)"
-    child = textwrap.dedent(CHILD).format(dev=dev, code=code)
-    cmd = [gdb, "-batch", "-ex", "run", "-ex", "bt 40", "-ex", "info sharedlibrary", "--args", sys.executable, "-c",
-           child]
+        return "(no gdb or cuda-gdb found)"
+    child = textwrap.dedent(CHILD).format(dev=dev, code=code, maps=False)
+    cmd = [gdb, "-batch", "-ex", "run", "-ex", "bt 30", "-ex", "x/8i $pc", "-ex", "info registers rip rsp rdi rsi rax",
+           "-ex", "info sharedlibrary", "--args", sys.executable, "-c", child]
     try:
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return f"({gdb} timed out)"
-    lines = [line for line in (run.stdout + run.stderr).splitlines() if line.startswith(("#", "0x", "Thread", "Program"))
-             or "libstdc++" in line or "_C." in line]
-    return "\n".join(lines[-80:])
+    # The innermost frames, the faulting instructions and registers first; of the library list (hundreds of lines,
+    # which on 2026-12-04 pushed the top frames out of a tail) only the C++ runtimes and our library.
+    out = (run.stdout + run.stderr).splitlines()
+    frames = [line for line in out if line.startswith(("#", "=>", "Program", "rip", "rsp", "rdi", "rsi", "rax"))
+              or line.startswith("   0x")]
+    libs = [line for line in out if line.startswith("0x") and ("libstdc++" in line or "libgcc" in line or "_C." in line
+                                                               or "libc10" in line)]
+    return "\n".join(frames[:60] + libs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,14 +87,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0)
     opts = p.parse_args(argv)
     bad = 0
+    traced: set[str] = set()
     for dev in opts.devices.split(","):
         for name, code in CASES.items():
-            rc, text = run_case(dev, code, opts.timeout)
+            rc, text = run_case(dev, code, opts.timeout, maps=name == next(iter(CASES)))
             signame = signal.Signals(-rc).name if rc < 0 else ""
             print(f"{dev:5s} {name:22s} exit {rc} {signame} {text.splitlines()[-1][:140] if text else ''}", flush=True)
+            if text.startswith("loaded:"):
+                print("    " + text.splitlines()[0], flush=True)
             if rc != 0:
                 bad += 1
-                if rc < 0:
+                if rc < 0 and dev not in traced:  # one native backtrace per device: gdb takes ~10 s a run
+                    traced.add(dev)
+                    print(textwrap.indent(text[-3000:], "    "), flush=True)  # faulthandler's Python stack
                     print(textwrap.indent(backtrace(dev, code, opts.timeout), "    "), flush=True)
     print(f"crash_probe: {bad} of {len(CASES) * len(opts.devices.split(','))} cases did not raise cleanly")
     return 1 if bad else 0
