@@ -75,6 +75,8 @@ BACKWARD_ARGS_BYTES = 128
 # kernel picks one of two copies of its row code (the other, the memory-efficient mode's, derives the input from
 # the output); forward_long_kernel's `staged` parameter (right after ForwardArgs), the plan's.
 SAVED_IS_OUTPUT_OFFSET = 116
+# A pointer value for the parameters the audited call gives (weight, bias): any non-null address, both words non-zero.
+NON_NULL_POINTER = 0x00007F0012340000
 # QuantArgs (forward_kernels.cuh), the quantized kernels' second parameter: its pointer fields by byte offset, and
 # where it starts: after ForwardArgs<float> (120 bytes; float is the compute type of bf16 and fp32 rows), and in
 # forward_long_kernel after its `staged` flag too (8-byte aligned).
@@ -194,6 +196,14 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     elif not plan["packs"]:  # forward_long_kernel's `staged`: the plan's
         known[arch.param_base + FORWARD_ARGS_BYTES] = int(plan["staged"])
     used, unused = call_streams(op, direction)
+    # The call's weight (and LayerNorm's bias) pointers are not null: the branches on them take that side. Left
+    # undecided, a branch holding only arithmetic (no access to tell the sides apart) went by the fewest
+    # instructions, i.e. without the weight's multiply and the bias' add (FMUL 35 for the 32 values of a bf16
+    # LayerNorm forward thread at N = 2048, where the weight alone needs 32 more).
+    for name in ("weight", "bias"):
+        if name in used:
+            offset = arch.param_base + 8 * pointers_list.index(name)
+            known.update({offset + k: (NON_NULL_POINTER >> (8 * k)) & 0xFF for k in range(8)})
     lanes, threads = plan["lanes"], plan["threads"]
     cluster = plan.get("cluster", 1)  # blocks per row (a thread-block cluster): the row's threads are lanes
     row_spans_warps = lanes > 32
