@@ -3,13 +3,16 @@
 
     python benchmarks/crash_probe.py                 # cuda and cpu; a C++ backtrace of the first crash per device (gdb)
 
-On an H200 (2026-12-04, torch 2.11, a build by g++ 13.3, libstdc++.so.6.0.33 loaded) every refused call whose
-message prints integers (shape mismatches, group_size not dividing the row) died with SIGSEGV, on the CUDA and the
-CPU tensors alike, and only those: the ones that print dtypes or devices raised as they should, as did ATen's own
-integer message. Each case runs in its own child (with faulthandler's Python stack); the first child per device
-killed by a signal is run again under gdb (or cuda-gdb, which debugs host code too) in batch mode for the native
-backtrace, the faulting instructions and the registers. Exit status 0 when every case raised its RuntimeError, 1
-otherwise.
+On an H200 machine (2026-12-04, torch 2.11) every refused call whose message printed integers died with SIGSEGV,
+on CUDA and CPU tensors alike; messages of text alone, and ATen's own integer messages, raised. This probe's
+backtrace found why: that machine's compiler (/opt/gcc/bin/g++ 13.3) linked a private, static copy of libstdc++ into
+our library (no libstdc++.so.6 among its NEEDED entries), and Python's -Wl,-Bsymbolic-functions bound our calls to that
+copy, so our `ostream << int64_t` ran the copy's num_put against a locale built by the process's libstdc++.so.6: a
+facet looked up by another copy's index, a virtual call into codecvt<char16_t>::do_unshift, a fault. Our messages are
+now written without a stream (csrc/message.h); the probe stays to catch any return of it. Each case runs in its own
+child (with faulthandler's Python stack); the first child per device killed by a signal is run again under gdb (or
+cuda-gdb, which debugs host code too) in batch mode for the native backtrace, the faulting instructions and the
+registers. Exit status 0 when every case raised its RuntimeError, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ CASES = {
     "int_only_message": "L.rms_norm_quant(torch.ones(2, 64, device=dev), [64], torch.ones(64, device=dev), "
                         "quant_dtype=torch.float8_e4m3fn, group_size=128)",
     "c10_message_of_aten": "torch.ones(4, 8, device=dev).view(5, 7)",
-    # ATen's integer message (an allocation of 32 TiB), thrown inside our op and unwound through our frames: raising
-    # cleanly while our own integer messages crash puts the fault in how our library formats, not in the unwinding.
-    "aten_message_through_ours": "L.layer_norm(torch.ones(1, 8, device=dev).expand(2**40, 8), [8])",
+    # ATen's integer message (an allocation of 2 PiB, past any address space: 32 TiB got the CPU child OOM-killed on a
+    # machine that overcommits), thrown inside our op and unwound through our frames.
+    "aten_message_through_ours": "L.layer_norm(torch.ones(1, 8, device=dev).expand(2**46, 8), [8])",
 }
 
 CHILD = """

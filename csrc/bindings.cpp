@@ -129,7 +129,8 @@ namespace {
 // normalized values are exactly torch's, and the op then normalizes float32(h) without a residual.
 int64_t argument_index(const c10::FunctionSchema& schema, const char* name) {
   const auto index = schema.argumentIndexWithName(name);
-  TORCH_INTERNAL_ASSERT(index.has_value(), "layernorm_ext: no argument ", name, " in ", schema.name());
+  TORCH_INTERNAL_ASSERT(index.has_value(),
+                        layernorm_ext::message("layernorm_ext: no argument ", name, " in ", schema.name()));
   return static_cast<int64_t>(*index);
 }
 
@@ -188,9 +189,11 @@ namespace {
 // A library built without the CUDA kernels (a CPU-only torch, or no nvcc at build time) says so when handed
 // CUDA tensors, instead of the dispatcher's generic "could not run ... with arguments from the 'CUDA' backend".
 void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/) {
-  TORCH_CHECK(false, op.schema().name(),
-              ": layernorm_ext was built without its CUDA kernels; rebuild it with a CUDA build of torch and the "
-              "CUDA toolkit present (FORCE_CUDA=1 pip install --no-build-isolation --force-reinstall --no-deps .)");
+  TORCH_CHECK(
+      false, layernorm_ext::message(
+                 op.schema().name(),
+                 ": layernorm_ext was built without its CUDA kernels; rebuild it with a CUDA build of torch and the "
+                 "CUDA toolkit present (FORCE_CUDA=1 pip install --no-build-isolation --force-reinstall --no-deps .)"));
 }
 
 }  // namespace
@@ -269,7 +272,8 @@ c10::ScalarType dtype_named(const std::string& name) {
   if (name == "float64") return c10::ScalarType::Double;
   if (name == "float16") return c10::ScalarType::Half;
   if (name == "bfloat16") return c10::ScalarType::BFloat16;
-  TORCH_CHECK_VALUE(false, "cuda_launch_plan: dtype must be float32, float64, float16 or bfloat16, got ", name);
+  TORCH_CHECK_VALUE(false, layernorm_ext::message(
+                               "cuda_launch_plan: dtype must be float32, float64, float16 or bfloat16, got ", name));
 }
 
 // The CUDA dispatcher's choice for a call (csrc/cuda/launch_plan.h), computed on the host with the caller's

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "message.h"
 #include "norm_params.h"
 
 namespace layernorm_ext {

@@ -403,11 +403,11 @@ bool records_graph(const Tensor& input, const OptTensor& weight, const OptTensor
 // Forward-mode AD has no formula here: refuse dual tensors rather than drop their tangents.
 void check_no_forward_grad(const char* op, const Tensor& input, const OptTensor& weight, const OptTensor& bias,
                            const OptTensor& residual) {
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      !(torch::autograd::isFwGradDefined(input) || torch::autograd::isFwGradDefined(weight) ||
-        torch::autograd::isFwGradDefined(bias) || torch::autograd::isFwGradDefined(residual)),
-      "Trying to use forward AD with ", op, " that does not support it: layernorm_ext has no forward-mode "
-      "derivative (use torch.nn.functional's norms, or reverse mode)");
+  TORCH_CHECK_NOT_IMPLEMENTED(!(torch::autograd::isFwGradDefined(input) || torch::autograd::isFwGradDefined(weight) ||
+                                torch::autograd::isFwGradDefined(bias) || torch::autograd::isFwGradDefined(residual)),
+                              message("Trying to use forward AD with ", op,
+                                      " that does not support it: layernorm_ext has no forward-mode "
+                                      "derivative (use torch.nn.functional's norms, or reverse mode)"));
 }
 
 // The statistics and residual_out of a forward, with the node recorded on out (and residual_out) when a graph is.
@@ -571,10 +571,12 @@ bool needs_graph(const Tensor& grad_out, const Tensor& saved, const OptTensor& w
 }
 
 void check_second_order_possible(bool saved_is_output, const char* op) {
-  TORCH_CHECK(!saved_is_output, op,
+  TORCH_CHECK(
+      !saved_is_output,
+      message(op,
               ": double backward (a backward with create_graph=True) is not supported with memory_efficient=True: "
               "that forward saved its output instead of its input, and second derivatives are formed from the "
-              "input only. Call the norm with memory_efficient=False to differentiate its gradients.");
+              "input only. Call the norm with memory_efficient=False to differentiate its gradients."));
 }
 
 std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd_autograd(const Tensor& grad_out, const Tensor& saved,
@@ -701,14 +703,17 @@ void inference_op_autograd(const c10::OperatorHandle& op, torch::jit::Stack* sta
     if (!first[i].isTensor()) continue;
     const Tensor& t = first[i].toTensor();
     const c10::Argument& arg = schema.arguments()[i];
-    TORCH_CHECK(!(c10::GradMode::is_enabled() && t.requires_grad()), name,
+    TORCH_CHECK(
+        !(c10::GradMode::is_enabled() && t.requires_grad()),
+        message(name,
                 ": the inference ops (out=, in place, quantized output) don't support automatic differentiation, but ",
                 arg.name(),
                 " requires grad; call them under torch.no_grad() / torch.inference_mode(), or use the functional "
-                "form without out=");
-    TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(t), "Trying to use forward AD with ", name,
-                                " that does not support it: ", arg.name(), " is a dual tensor, and layernorm_ext "
-                                "has no forward-mode derivative");
+                "form without out="));
+    TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(t), message("Trying to use forward AD with ", name,
+                                                                              " that does not support it: ", arg.name(),
+                                                                              " is a dual tensor, and layernorm_ext "
+                                                                              "has no forward-mode derivative"));
   }
   at::AutoDispatchBelowAutograd below_autograd;
   op.callBoxed(stack);

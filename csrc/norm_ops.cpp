@@ -236,9 +236,9 @@ ForwardResult norm_forward(const char* op, const Tensor& input_arg, c10::SymIntA
     } else if (quant != nullptr) {
       check_scales_buffer(op, input_arg, quant->scale.has_value(), quant->scales_out, scale_shape);
     }
-    TORCH_CHECK(residual_arg.has_value() == dest.residual_out.has_value(), op,
-                residual_arg.has_value() ? ": a residual needs a residual_out buffer (h = input + residual)"
-                                         : ": residual_out is given without a residual");
+    TORCH_CHECK(residual_arg.has_value() == dest.residual_out.has_value(),
+                message(op, residual_arg.has_value() ? ": a residual needs a residual_out buffer (h = input + residual)"
+                                                     : ": residual_out is given without a residual"));
     if (residual_arg.has_value()) {
       check_destination(op, dest.in_place ? "residual" : "residual_out", input_arg, *dest.residual_out,
                         normalized_ndim, h_type);

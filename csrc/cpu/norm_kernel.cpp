@@ -96,10 +96,10 @@ std::string initial_isa() {
   if (requested == nullptr || *requested == '\0') return best_isa();
   const std::string want(requested);
   TORCH_CHECK(want == "scalar" || want == "avx2" || want == "avx512" || want == "avx512_bf16",
-              "LAYERNORM_EXT_CPU_ISA must be one of scalar, avx2, avx512, avx512_bf16, but got '", want, "'");
+              message("LAYERNORM_EXT_CPU_ISA must be one of scalar, avx2, avx512, avx512_bf16, but got '", want, "'"));
   if (cpu_has(want.c_str())) return want;
   const std::string fallback = best_isa();
-  TORCH_WARN("LAYERNORM_EXT_CPU_ISA=", want, ": this CPU lacks it; using ", fallback);
+  TORCH_WARN(message("LAYERNORM_EXT_CPU_ISA=", want, ": this CPU lacks it; using ", fallback));
   return fallback;
 }
 
@@ -164,8 +164,7 @@ Dtype to_dtype(ScalarType t) {
       return Dtype::bf16;
     case ScalarType::Half:
       return Dtype::f16;
-    default:
-      TORCH_CHECK(false, "layernorm_ext: unsupported dtype ", t);
+    default: TORCH_CHECK(false, message("layernorm_ext: unsupported dtype ", t));
   }
 }
 
@@ -188,8 +187,7 @@ void visit_param_dtype(ScalarType type, const Fn& fn) {
       return fn(c10::BFloat16{});
     case ScalarType::Half:
       return fn(c10::Half{});
-    default:
-      TORCH_CHECK(false, "layernorm_ext: unsupported parameter dtype ", type);
+    default: TORCH_CHECK(false, message("layernorm_ext: unsupported parameter dtype ", type));
   }
 }
 
@@ -368,16 +366,16 @@ void forward_with(const NormForwardParams& p, const RowKernels& k) {
   const C* bias = param_as(p.bias, p.weight_type, p.cols, bias_scratch);
   const Dtype src = to_dtype(p.residual != nullptr ? p.h_type : p.input_type);
   const ForwardRowsFn rows_fn = k.forward_rows(src, to_dtype(p.input_type));
-  TORCH_CHECK(rows_fn != nullptr, "layernorm_ext: no CPU kernel for rows of ", p.h_type, " and output ",
-              p.input_type);
+  TORCH_CHECK(rows_fn != nullptr,
+              message("layernorm_ext: no CPU kernel for rows of ", p.h_type, " and output ", p.input_type));
   ForwardRows a{};
   a.input = p.input;
   a.residual = p.residual;
   a.residual_out = p.residual_out;
   if (p.residual != nullptr) {
     a.add_row = k.add_row(to_dtype(p.input_type), to_dtype(p.residual_type), to_dtype(p.h_type));
-    TORCH_CHECK(a.add_row != nullptr, "layernorm_ext: no CPU kernel adding ", p.input_type, " and ",
-                p.residual_type, " into ", p.h_type);
+    TORCH_CHECK(a.add_row != nullptr, message("layernorm_ext: no CPU kernel adding ", p.input_type, " and ",
+                                              p.residual_type, " into ", p.h_type));
   }
   a.out = p.out;
   a.weight = weight;
@@ -411,7 +409,8 @@ void forward_with(const NormForwardParams& p, const RowKernels& k) {
                  p.rows * p.cols * static_cast<int64_t>(c10::elementSize(p.input_type)) >= stream_threshold();
   if (p.plane > 0) {
     const ForwardColumnsFn columns_fn = k.forward_columns(src, to_dtype(p.input_type));
-    TORCH_CHECK(columns_fn != nullptr, "layernorm_ext: no CPU kernel for channels-first rows of ", p.input_type);
+    TORCH_CHECK(columns_fn != nullptr,
+                message("layernorm_ext: no CPU kernel for channels-first rows of ", p.input_type));
     const int64_t blocks = (p.plane + kColumnPixels - 1) / kColumnPixels;
     const int64_t grain = std::max<int64_t>(1, kParallelGrainElems / (kColumnPixels * p.cols));
     at::parallel_for(0, p.rows / p.plane * blocks, grain, [&](int64_t begin, int64_t end) {
@@ -466,9 +465,9 @@ std::vector<std::string> supported_isas() {
 }
 
 std::string set_isa(const std::string& isa) {
-  TORCH_CHECK(kernels_for(isa) != nullptr, "layernorm_ext: unknown CPU instruction set '", isa,
-              "' (expected scalar, avx2, avx512 or avx512_bf16)");
-  TORCH_CHECK(cpu_has(isa.c_str()), "layernorm_ext: this CPU does not support ", isa);
+  TORCH_CHECK(kernels_for(isa) != nullptr, message("layernorm_ext: unknown CPU instruction set '", isa,
+                                                   "' (expected scalar, avx2, avx512 or avx512_bf16)"));
+  TORCH_CHECK(cpu_has(isa.c_str()), message("layernorm_ext: this CPU does not support ", isa));
   const std::string previous = isa_name();
   std::lock_guard<std::mutex> lock(isa_mutex);
   activate(isa);
@@ -524,8 +523,8 @@ struct ParameterPartials {
 // tasks (shape only), each chunk's terms into its own double partial.
 void backward_columns_with(const NormBackwardParams& p, const RowKernels& k, const BackwardRows& a) {
   const BackwardColumnsFn columns_fn = k.backward_columns(to_dtype(p.saved_type), to_dtype(p.out_type));
-  TORCH_CHECK(columns_fn != nullptr, "layernorm_ext: no CPU backward kernel for channels-first ", p.saved_type,
-              " rows and ", p.out_type, " gradients");
+  TORCH_CHECK(columns_fn != nullptr, message("layernorm_ext: no CPU backward kernel for channels-first ", p.saved_type,
+                                             " rows and ", p.out_type, " gradients"));
   const int64_t cols = p.cols;
   const int64_t blocks = (p.plane + kColumnPixels - 1) / kColumnPixels;
   const int64_t tasks = p.rows / p.plane * blocks;
@@ -634,8 +633,9 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
 
 void backward(const NormBackwardParams& p) {
   const RowKernels& k = kernels();
-  TORCH_CHECK(k.backward_rows(to_dtype(p.saved_type), to_dtype(p.out_type)) != nullptr,
-              "layernorm_ext: no CPU backward kernel for ", p.saved_type, " rows and ", p.out_type, " gradients");
+  TORCH_CHECK(
+      k.backward_rows(to_dtype(p.saved_type), to_dtype(p.out_type)) != nullptr,
+      message("layernorm_ext: no CPU backward kernel for ", p.saved_type, " rows and ", p.out_type, " gradients"));
   const bool float_math = backward_computes_in_float(p.saved_type == ScalarType::Double,
                                                      p.out_type == ScalarType::Double, p.cols);
   ScratchLease<float, kWeightSlot> weight_f_scratch;

@@ -29,7 +29,7 @@ bool forward_on_rows(const NormForwardParams& p) {
     case ScalarType::Double: return forward_f64(p);
     case ScalarType::Half: return forward_f16(p);
     case ScalarType::BFloat16: return forward_bf16(p);
-    default: TORCH_INTERNAL_ASSERT(false, "layernorm_ext: unchecked input dtype ", p.input_type);
+    default: TORCH_INTERNAL_ASSERT(false, message("layernorm_ext: unchecked input dtype ", p.input_type));
   }
 }
 
@@ -39,7 +39,7 @@ bool backward_on_rows(const NormBackwardParams& p) {
     case ScalarType::Double: return backward_f64(p);
     case ScalarType::Half: return backward_f16(p);
     case ScalarType::BFloat16: return backward_bf16(p);
-    default: TORCH_INTERNAL_ASSERT(false, "layernorm_ext: unchecked grad_out dtype ", p.out_type);
+    default: TORCH_INTERNAL_ASSERT(false, message("layernorm_ext: unchecked grad_out dtype ", p.out_type));
   }
 }
 
