@@ -571,12 +571,12 @@ bool needs_graph(const Tensor& grad_out, const Tensor& saved, const OptTensor& w
 }
 
 void check_second_order_possible(bool saved_is_output, const char* op) {
-  TORCH_CHECK(
-      !saved_is_output,
-      message(op,
-              ": double backward (a backward with create_graph=True) is not supported with memory_efficient=True: "
-              "that forward saved its output instead of its input, and second derivatives are formed from the "
-              "input only. Call the norm with memory_efficient=False to differentiate its gradients."));
+  TORCH_CHECK(!saved_is_output,
+              message(op,
+                      ": double backward (a backward with create_graph=True) is not supported with "
+                      "memory_efficient=True: that forward saved its output instead of its input, and second "
+                      "derivatives are formed from the input only. Call the norm with memory_efficient=False to "
+                      "differentiate its gradients."));
 }
 
 std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd_autograd(const Tensor& grad_out, const Tensor& saved,

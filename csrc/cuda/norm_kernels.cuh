@@ -401,10 +401,12 @@ bool launch_forward_vec(const NormForwardParams& p, bool strided, cudaStream_t s
     // A group's lanes all in one block (group_absmax), the long path's blocks being kMaxRowThreads.
     TORCH_CHECK_NOT_IMPLEMENTED(
         p.group_size % kVec == 0 && group_units <= kMaxRowThreads && (group_units & (group_units - 1)) == 0,
-        message("layernorm_ext: per-group and block scales on CUDA need a group_size that is a power of two and at most ",
-        kMaxRowThreads, " times the elements of the kernel's vector (", kVec, " here: ", 16 / sizeof(Tin), " for ",
-        sizeof(Tin), "-byte elements when the tensors are 16-byte aligned, else 1; 1 for float64 rows of a narrower ",
-        "input), but got group_size=", p.group_size));
+        message(
+            "layernorm_ext: per-group and block scales on CUDA need a group_size that is a power of two and at most ",
+            kMaxRowThreads, " times the elements of the kernel's vector (", kVec, " here: ", 16 / sizeof(Tin), " for ",
+            sizeof(Tin),
+            "-byte elements when the tensors are 16-byte aligned, else 1; 1 for float64 rows of a narrower ",
+            "input), but got group_size=", p.group_size));
     q.group_units = static_cast<int>(group_units);
     q.groups = p.cols / p.group_size;
     q.block_scales = p.nvfp4_scales != nullptr ? p.nvfp4_scales : p.mx_scales;
@@ -688,7 +690,8 @@ bool launch_backward_vec(const NormBackwardParams& p, bool strided, cudaStream_t
           launch_on_clusters(kernel, static_cast<unsigned>(grid), static_cast<unsigned>(threads), smem, stream,
                              static_cast<unsigned>(plan.cluster), a);
         } else {
-          TORCH_INTERNAL_ASSERT(false, message("backward plan on clusters with ", kPacks, " packs per lane: no such kernel"));
+          TORCH_INTERNAL_ASSERT(false,
+                                message("backward plan on clusters with ", kPacks, " packs per lane: no such kernel"));
         }
       } else if constexpr (kResidual) {
         auto kernel = backward_rows_kernel<Tg, Ts, Tw, kRms, kVec, kPacks, true, StridedGradRows>;
