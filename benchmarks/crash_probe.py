@@ -9,10 +9,11 @@ backtrace found why: that machine's compiler (/opt/gcc/bin/g++ 13.3) linked a pr
 our library (no libstdc++.so.6 among its NEEDED entries), and Python's -Wl,-Bsymbolic-functions bound our calls to that
 copy, so our `ostream << int64_t` ran the copy's num_put against a locale built by the process's libstdc++.so.6: a
 facet looked up by another copy's index, a virtual call into codecvt<char16_t>::do_unshift, a fault. Our messages are
-now written without a stream (csrc/message.h); the probe stays to catch any return of it. Each case runs in its own
-child (with faulthandler's Python stack); the first child per device killed by a signal is run again under gdb (or
-cuda-gdb, which debugs host code too) in batch mode for the native backtrace, the faulting instructions and the
-registers. Exit status 0 when every case raised its RuntimeError, 1 otherwise.
+now written without a stream (csrc/message.h); the probe stays to catch any return of it. The cases run in one child
+per device; where that child does not see every case raise, each runs in its own child (with faulthandler's Python
+stack), and the first one per device killed by a signal is run again under gdb (or cuda-gdb, which debugs host code
+too) in batch mode for the native backtrace, the faulting instructions and the registers. Exit status 0 when every
+case raised its RuntimeError, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def run_all(dev: str, timeout: float) -> dict[str, str] | None:
     raised = {name: line for line in lines for name in CASES if line.startswith(f"{name} raised:")}
     if run.returncode != 0 or len(raised) != len(CASES):
         return None
-    print(f"{dev:5s} {lines[0]}" if lines and lines[0].startswith("loaded:") else "", flush=True)
+    print(f"{dev:5s} {lines[0]}", flush=True)  # the child's first line: the C++ runtimes it loaded
     return {name: line[len(name) + 1:] for name, line in raised.items()}
 
 

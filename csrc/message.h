@@ -1,8 +1,9 @@
 // Error and warning messages as one std::string, numbers written by std::to_string / snprintf, never by a
 // std::ostream of this library: a single string passes through TORCH_CHECK's c10::str unchanged, so no stream is made.
-// Why: on an H200 machine (torch 2.11, this library built by g++ 13.3, GCC 14's libstdc++.so.6.0.33 loaded) every
-// refused call whose message streamed an integer from this library died with SIGSEGV, on CPU tensors too, while
-// messages of text alone, and ATen's own integer messages, raised (benchmarks/crash_probe.py).
+// Why: on an H200 machine (torch 2.11) the compiler linked a private static libstdc++ into this library and
+// -Wl,-Bsymbolic-functions bound our calls to it; a stream of ours then formatted an integer with that copy's num_put
+// against a locale of the process's libstdc++.so.6, and every refused call whose message held an integer died with
+// SIGSEGV (benchmarks/crash_probe.py; .ci/static_libstdcxx relinks the library that way).
 //
 //   TORCH_CHECK(ok, message(op, ": expected rows of ", cols, " elements, but got ", t.sizes()));
 #pragma once
