@@ -89,6 +89,15 @@ QUANT_ARGS_OFFSET = {"rows": FORWARD_ARGS_BYTES, "long": FORWARD_ARGS_BYTES + 8}
 # (sass.decided_successors), the other variants' code is off the path.
 QUANT_VARIANT = {"scale": (8, 8, 0), "scale_ub": (16, 8, 0), "code": (32, 1, 0),  # quant::Code::kE4m3fn
                  "group_units": (36, 4, 0), "block_scales": (48, 8, 0), "swizzled": (72, 1, 0)}
+# The integer fields of ForwardArgs<float> / BackwardArgs<float> that the launcher sets from the plan (offset, bytes),
+# and the launch's block size in constant bank 0 (blockDim.x): with them (and the thread THREAD) the audit follows a
+# thread's index arithmetic to its branches (which of its packs hold values of the row).
+FORWARD_ARG_FIELDS = {"rows": (64, 8), "cols": (72, 8), "units": (80, 8), "lanes": (112, 4), "rows_per_block": (116, 4)}
+BACKWARD_ARG_FIELDS = {"rows": (80, 8), "cols": (88, 8), "units": (96, 8), "lanes": (120, 4),
+                       "rows_per_block": (124, 4)}
+LAUNCH_CONSTANTS = {"block_x": 0x0}
+# The audited thread: thread 0 of block 0 (and of its cluster): lane 0 of its row.
+THREAD = {"SR_TID.X": 0, "SR_CTAID.X": 0, "SR_CgaCtaId": 0}
 # A thread-block cluster's barrier (cluster.sync(): arrive, then wait): counted once, as a barrier.
 CLUSTER_BARRIERS = ("UCGABAR_ARV", "UCGABAR_WAIT")
 CLUSTER_BARRIER_WAIT = "UCGABAR_WAIT"
@@ -176,8 +185,9 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     column loops ceil(units / threads), shuffle loops log2(lanes in a warp), shared-memory merge loops
     ceil(warps of the row / 32); of a loop and its remainder loops only the most unrolled counts.
     Accesses are attributed to a pointer along the control-flow graph (sass.attributed_accesses), its branches
-    decided by the parameters the call fixes (saved_is_output, staged; QUANT_VARIANT's fields): only their taken
-    side is kept. AttributionError where an access the call can run has no pointer, or the path lacks a stream of
+    decided by the parameters the call fixes (saved_is_output, staged; QUANT_VARIANT's fields) and, given
+    plan["args"] (launch_arguments), by thread 0's index arithmetic on its first row: only their taken side is
+    kept. AttributionError where an access the call can run has no pointer, or the path lacks a stream of
     expected_streams. forward_quant: the loops folding the warps' absmax (shared or distributed shared memory)
     count (warps of the row) / (states per iteration) times."""
     forward = direction != "backward"
@@ -209,12 +219,39 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     row_spans_warps = lanes > 32
     units = -(-plan["cols"] // plan["vec"])
 
-    # Every global access attributed to the pointer its address derives from, along the control-flow graph's edges
-    # that `known` leaves taken (sass.reaching_parameters), once per kernel and `known`.
-    blocks, successors, parameters = sass.attributed_accesses(function, known)
-    pointer_names = {address: [pointers[p] for p in sorted(params) if p in pointers]
-                     for address, params in parameters.items()}
-    stream = {address: names[0] if len(names) == 1 else None for address, names in pointer_names.items()}
+    first_stream = "input" if forward else "grad_out"
+
+    def attribute(specials: dict[str, int] | None = None, first_pass: frozenset = frozenset()):
+        """Every global access attributed to the pointer its address derives from, along the control-flow graph's
+        edges that `known` (and the thread `specials` names, on the first pass of `first_pass`'s loop) leaves taken
+        (sass.reaching_parameters), once per kernel and call; the loop over rows."""
+        blocks, successors, parameters = sass.attributed_accesses(function, known, specials, first_pass)
+        pointer_names = {address: [pointers[p] for p in sorted(params) if p in pointers]
+                         for address, params in parameters.items()}
+        stream = {address: names[0] if len(names) == 1 else None for address, names in pointer_names.items()}
+
+        def streams_in(block_ids: Iterable[int]) -> set[str]:
+            return {stream[i.address] for b in block_ids for i in blocks[b].instructions if stream.get(i.address)}
+
+        all_loops = [loop for loop in sass.loops(blocks) if loop.header in successors[loop.latch]]  # back edge taken
+        row_loops = [loop for loop in all_loops if first_stream in streams_in(loop.blocks)
+                     and any(i.op in ("SHFL", "BAR") for b in loop.blocks for i in blocks[b].instructions)]
+        row_loop = max(row_loops, key=lambda loop: len(loop.blocks)) if row_loops else None
+        return blocks, successors, pointer_names, stream, all_loops, row_loop
+
+    blocks, successors, pointer_names, stream, all_loops, row_loop = attribute()
+    # The branches of one thread: lane 0 of block 0 (a full row's first thread: every pack of its row valid) on its
+    # first row, the kernel's arguments as the launcher sets them (plan["args"]). Until 2026-12-05 only parameter
+    # bytes decided branches, and the path went around each pack's `if (valid[p])` where it held arithmetic only:
+    # the bf16 RMSNorm forward at N = 2048 counted FMUL 32 and no FFMA for the 64 of its sum of squares.
+    if "args" in plan:
+        args = plan["args"]
+        fields = FORWARD_ARG_FIELDS if forward else BACKWARD_ARG_FIELDS
+        for name, (offset, size) in fields.items():
+            known.update({arch.param_base + offset + k: (args[name] >> (8 * k)) & 0xFF for k in range(size)})
+        known.update({LAUNCH_CONSTANTS["block_x"] + k: (args["threads"] >> (8 * k)) & 0xFF for k in range(4)})
+        first_pass = frozenset({(row_loop.latch, row_loop.header)}) if row_loop else frozenset()
+        blocks, successors, pointer_names, stream, all_loops, row_loop = attribute(THREAD, first_pass)
     # Guard: every access the audited call can run (its blocks reachable along the taken edges) has one pointer; an
     # access of none would be left out of the figures, and could steer the path away from the code it lies in.
     reachable = sass.reachable(successors)
@@ -233,14 +270,7 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     def streams_in(block_ids: Iterable[int]) -> set[str]:
         return {stream[i.address] for b in block_ids for i in blocks[b].instructions if stream.get(i.address)}
 
-    all_loops = [loop for loop in sass.loops(blocks) if loop.header in successors[loop.latch]]  # back edge taken
-    first_stream = "input" if forward else "grad_out"
     out_stream = "codes" if direction == "forward_quant" else ("out" if forward else "grad_input")
-    row_loops = [
-        loop for loop in all_loops
-        if first_stream in streams_in(loop.blocks) and any(has(blocks[b], ("SHFL", "BAR")) for b in loop.blocks)
-    ]
-    row_loop = max(row_loops, key=lambda loop: len(loop.blocks)) if row_loops else None
     region = sorted(row_loop.blocks) if row_loop else [b.index for b in blocks]
     region_set = set(region)
     inner = [loop for loop in all_loops if loop is not row_loop and loop.blocks <= region_set]
@@ -495,6 +525,14 @@ class Row:
         return "\t".join((self.arch, self.op, self.dtype, self.direction, str(self.n), metric))
 
 
+def launch_arguments(plan: dict, rows: int, cols: int) -> dict[str, int]:
+    """The integer arguments the launcher sets from the plan (norm_kernels.cuh; the long backward's rows per block is
+    its group of rows) and the block size: what analyze_row_path's thread takes its branches by."""
+    return {"rows": rows, "cols": cols, "units": -(-cols // plan["vec"]), "lanes": plan["lanes"],
+            "rows_per_block": plan["group_rows"] if plan.get("sums_kernel") else plan["rows_per_block"],
+            "threads": plan["threads"]}
+
+
 def case_rows(dtype: str, n: int) -> int:
     return max(1, ROWS_BYTES // (n * ELEMENT_BYTES[dtype]))
 
@@ -536,7 +574,7 @@ def audit(library: str, archs: Iterable[str], plan_function) -> list[Row]:
                                      cols=n, sm_count=arch.sms, max_shared_per_block=arch.shared_per_block,
                                      blocks_per_sm=resident, compute_capability=arch.compute_capability,
                                      quantized=direction == "forward_quant")
-            plan = dict(plan, cols=n)
+            plan = dict(plan, cols=n, args=launch_arguments(plan, m, n))
             buffers = 1 if op == "rms_norm" else 2
             if plan.get("sums_kernel"):
                 row = long_backward_row(arch, functions[by_kernel[plan["sums_kernel"]]], function, plan, op, dtype, m,
@@ -574,7 +612,8 @@ def long_backward_row(arch: Arch, sums_function: sass.Function, function: sass.F
     per row, its set-up and partials' store once per group of rows); instructions, FP64, barriers and bytes
     added, registers the larger, spills both, in-flight the smaller of the two."""
     n, vec = plan["cols"], plan["vec"]
-    sums_plan = dict(plan, kernel=plan["sums_kernel"], lanes=256, threads=256, role="sums")  # kLongThreads per row
+    sums_plan = dict(plan, kernel=plan["sums_kernel"], lanes=256, threads=256, role="sums",  # kLongThreads per row
+                     args=dict(plan["args"], threads=256))
     # Rows per iteration of the column pass (kLongPacks, backward_kernels.cuh).
     rows_per_iteration = min(4, max(1, 32 // (ELEMENT_BYTES[dtype] * vec)))
     column_plan = dict(plan, lanes=plan["threads"], cols=vec * plan["threads"], once_per_row=1 / plan["group_rows"],

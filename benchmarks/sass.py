@@ -6,6 +6,7 @@ Only the standard library: the parser is tested on a small SASS fixture (tests/t
 
 from __future__ import annotations
 
+import bisect
 import glob
 import os
 import re
@@ -261,7 +262,13 @@ def basic_blocks(function: Function) -> list[Block]:
     """Basic blocks in address order with their successors (a CALL continues after itself, but for
     CALL.REL.NOINC: a jump)."""
     instructions = [i for i in function.instructions if i.op != "NOP"]
-    targets = {t for i in instructions if (t := i.branch_target()) is not None}
+    addresses = [i.address for i in instructions]
+
+    def landing(target: int | None) -> int | None:  # a branch to a NOP (dropped) lands on the next instruction
+        k = bisect.bisect_left(addresses, target) if target is not None else len(addresses)
+        return addresses[k] if k < len(addresses) else None
+
+    targets = {t for i in instructions if (t := landing(i.branch_target())) is not None}
     leaders = {instructions[0].address} | targets
     for previous, instruction in zip(instructions, instructions[1:]):
         if previous.is_jump or previous.op in ("EXIT", "RET"):
@@ -277,7 +284,7 @@ def basic_blocks(function: Function) -> list[Block]:
         # BRA.DIV branches only where the warp has diverged (to the out-of-line form of a shuffle): it falls through.
         conditional = bool(last.predicate) or (last.op == "BRA" and "DIV" in last.modifiers)
         falls_through = not ((last.is_jump or last.op in ("EXIT", "RET")) and not conditional)
-        target = last.branch_target()
+        target = landing(last.branch_target())
         if target is not None and target in by_start:
             block.successors.append(by_start[target])
         if falls_through and block.index + 1 < len(blocks):
@@ -393,6 +400,11 @@ def _param(params: dict[int, int], offset: int, size: int) -> Known:
 
 def _value(operand: str, state: dict[str, Known], params: dict[int, int], size: int = 4) -> Known:
     operand = operand.strip()
+    if operand[:1] in "-~" and _REG_OPERAND.fullmatch(operand[1:]) is not None:  # IADD3's -R3, ~R5 (full values only)
+        value = _full(_value(operand[1:], state, params))
+        if value is None:
+            return _UNKNOWN
+        return _const(-value if operand[0] == "-" else ~value)
     if (match := _CONST.fullmatch(operand)) is not None:
         return _param(params, int(match.group(1), 16), size)
     if (match := _REG_OPERAND.fullmatch(operand)) is not None:
@@ -448,8 +460,168 @@ def _written(instruction: Instruction) -> list[str]:
     return names
 
 
-def _evaluate(instruction: Instruction, state: dict[str, Known], params: dict[int, int]) -> dict[str, Known]:
-    """What the instruction writes: name -> known bits."""
+def _pair(name: str) -> str:
+    """The register after `name` (the high word of a 64-bit pair)."""
+    prefix = "UR" if name.startswith("UR") else "R"
+    return f"{prefix}{int(name[len(prefix):]) + 1}"
+
+
+def _integer(instruction: Instruction, state: dict[str, Known], params: dict[int, int],
+             specials: dict[str, int]) -> dict[str, Known]:
+    """What an integer instruction writes, where its sources are whole known values (the index arithmetic of a
+    thread whose special registers `specials` gives, e.g. lane 0 of block 0): name -> known bits; {} where it
+    cannot tell. Address-sized sums carry through predicates (IADD3 R6, P2, ...; LEA.HI.X ..., P2)."""
+    op, mods, ops = instruction.op, instruction.modifiers, [o.strip() for o in instruction.operands]
+    uniform = op.startswith("U") and op not in ("UMOV",)
+    base_op = op[1:] if uniform else op
+    if op in ("S2R", "S2UR") and len(ops) == 2 and ops[1] in specials:
+        return {ops[0]: _const(specials[ops[0 + 1]])}
+    if op == "CS2R" and len(ops) == 2 and ops[1] == "SRZ" and _REG_OPERAND.fullmatch(ops[0]):
+        return {ops[0]: _const(0), _pair(ops[0]): _const(0)}
+    if op == "R2UR" and len(ops) == 2:
+        return {ops[0]: _value(ops[1], state, params)}
+    if op == "P2R" and len(ops) == 4 and ops[1] == "PR":  # P2R Rd, PR, Ra, mask: predicates into a register's bits
+        mask_bits, base = _full(_value(ops[3], state, params)), _value(ops[2], state, params)
+        if mask_bits is None:
+            return {}
+        known, value = base[0] & ~mask_bits & _FULL, base[1] & ~mask_bits & _FULL
+        for k in range(7):
+            if mask_bits >> k & 1 and (p := state.get(f"P{k}")) is not None and p[0]:
+                known, value = known | 1 << k, value | (p[1] & 1) << k
+        return {ops[0]: (known, value)}
+    if op == "R2P" and len(ops) == 3 and ops[0] == "PR":  # R2P PR, Ra, mask: a register's bits into predicates
+        mask_bits, source = _full(_value(ops[2], state, params)), _value(ops[1], state, params)
+        if mask_bits is None:
+            return {}
+        return {f"P{k}": ((source[0] >> k) & 1, (source[1] >> k) & 1) for k in range(7) if mask_bits >> k & 1}
+    if op == "HFMA2" and "MMA" in mods and ops[1:3] == ["-RZ", "RZ"] and ops[3:] == ["0", "0"]:
+        return {ops[0]: _const(0)}  # nvcc's zeroing idiom
+
+    # Destination, carry-out predicates, sources, carry-in predicates.
+    dest, k = ops[0] if ops else "", 1
+    carry_out: list[str] = []
+    while k < len(ops) and _PRED_OPERAND.fullmatch(ops[k]):
+        carry_out.append(ops[k])
+        k += 1
+    sources = ops[k:]
+    carry_in: list[str] = []
+    while sources and _PRED_OPERAND.fullmatch(sources[-1]):
+        carry_in.insert(0, sources.pop())
+    if not _REG_OPERAND.fullmatch(dest):
+        return {}
+
+    def full(operand: str, size: int = 4) -> int | None:
+        return _full(_value(operand, state, params, size), 8 * size)
+
+    def wide(operand: str) -> int | None:  # a 64-bit pair (R8 = R8:R9) or a 64-bit constant
+        if _CONST.fullmatch(operand):
+            return full(operand, 8)
+        low = full(operand)
+        if operand in ("RZ", "URZ"):
+            return 0
+        high = _full(state.get(_pair(operand.split(".")[0]), _UNKNOWN)) if _REG_OPERAND.fullmatch(operand) else None
+        return None if low is None or high is None else low | high << 32
+
+    def carries() -> int | None:
+        total = 0
+        for predicate in carry_in:
+            bit = _full(_value(predicate, state, params), 1)
+            if bit is None:
+                return None
+            total += bit
+        return total
+
+    def result(value: int, carry: int | None = None) -> dict[str, Known]:
+        written = {dest: _const(value)}
+        if carry_out:  # one carry-out predicate: the sum's bit 32 (two: not followed)
+            name = carry_out[0].lstrip("!")
+            written[name] = _const(carry, 1) if carry is not None and len(carry_out) == 1 and carry <= 1 else _UNKNOWN
+        return written
+
+    def addend(operand: str) -> int | None:  # a two's complement operand as the adder sees it: -x = ~x + 1
+        if operand.startswith("-"):
+            value = full(operand[1:])
+            return None if value is None else ((~value) & _FULL) + 1
+        return full(operand)
+
+    if base_op in ("IADD3", "VIADD") and len(sources) in (2, 3):
+        values = [addend(o) for o in sources]
+        carry = carries() if "X" in mods else 0
+        if None in values or carry is None:
+            return {}
+        total = sum(values) + carry
+        return result(total & _FULL, total >> 32)
+    if base_op == "IMAD" and len(sources) == 3:
+        a, b = full(sources[0]), full(sources[1])
+        zero = a == 0 or b == 0
+        if "WIDE" in mods:
+            c = wide(sources[2])
+            if c is None or (not zero and (a is None or b is None)):
+                return {}
+            product = 0 if zero else (a * b if "U32" in mods else _signed(a) * _signed(b))
+            total = (product + c) & 0xFFFFFFFFFFFFFFFF
+            return {dest: _const(total & _FULL), _pair(dest): _const(total >> 32)}
+        c = addend(sources[2])
+        carry = carries() if "X" in mods else 0
+        if c is None or carry is None or (not zero and (a is None or b is None)):
+            return {}
+        product = 0 if zero else a * b
+        if "HI" in mods:
+            if "U32" not in mods and not zero:
+                product = _signed(a) * _signed(b)
+            product >>= 32
+        total = product + c + carry
+        return result(total & _FULL)
+    if base_op == "LEA" and sources:
+        shift = full(sources[-1])
+        if shift is None:
+            return {}
+        if "HI" in mods:  # b + the high word of ({c:a} << s), c = a's sign with SX32
+            a, b = full(sources[0]), full(sources[1])
+            if a is None or b is None:
+                return {}
+            c = (_FULL if a & 0x80000000 else 0) if "SX32" in mods else full(sources[2]) if len(sources) == 4 else None
+            carry = carries() if "X" in mods else 0
+            if c is None or carry is None:
+                return {}
+            total = b + ((((c << 32) | a) << shift) >> 32 & _FULL) + carry
+            return result(total & _FULL, total >> 32)
+        a, b = full(sources[0]), full(sources[1])
+        if a is None or b is None or len(sources) != 3:
+            return {}
+        total = ((a << shift) & _FULL) + b
+        return result(total & _FULL, total >> 32)
+    if base_op == "SHF" and len(sources) == 3:
+        a, shift, c = full(sources[0]), full(sources[1]), full(sources[2])
+        if a is None or shift is None or c is None:
+            return {}
+        pair = (c << 32) | a
+        if "L" in mods:
+            shifted = pair << min(shift, 64)
+            value = shifted >> 32 if "HI" in mods else (shifted if "U64" in mods else a << min(shift, 32))
+        elif "S32" in mods or "S64" in mods:
+            signed_pair = pair - (1 << 64) if pair >> 63 else pair
+            value = signed_pair >> min(shift, 63)
+            value = value >> 32 if "HI" in mods else value
+        else:
+            value = pair >> min(shift, 64)
+            value = value >> 32 if "HI" in mods else (value if "U64" in mods else a >> min(shift, 32))
+        return result(value & _FULL)
+    if base_op in ("IMNMX", "VIMNMX") and len(sources) == 2 and carry_in:
+        a, b, smaller = full(sources[0]), full(sources[1]), _full(_value(carry_in[0], state, params), 1)
+        if a is None or b is None or smaller is None:
+            return {}
+        x, y = (a, b) if "U32" in mods else (_signed(a), _signed(b))
+        return result((min(x, y) if smaller else max(x, y)) & _FULL)
+    if base_op == "IABS" and len(sources) == 1 and (a := full(sources[0])) is not None:
+        return result(abs(_signed(a)) & _FULL)
+    return {}
+
+
+def _evaluate(instruction: Instruction, state: dict[str, Known], params: dict[int, int],
+              specials: dict[str, int] | None = None) -> dict[str, Known]:
+    """What the instruction writes: name -> known bits. With `specials` (a thread's special registers), integer
+    arithmetic on whole known values too (_integer)."""
     op, mods, ops = instruction.op, instruction.modifiers, instruction.operands
     out = {name: _UNKNOWN for name in _written(instruction)}
     dest = ops[0].strip().split(".")[0] if ops else ""
@@ -457,6 +629,9 @@ def _evaluate(instruction: Instruction, state: dict[str, Known], params: dict[in
     def v(k: int, size: int = 4) -> Known:
         return _value(ops[k], state, params, size) if k < len(ops) else _UNKNOWN
 
+    if specials is not None and (computed := _integer(instruction, state, params, specials)):
+        out.update(computed)
+        return out
     if op in ("LDC", "ULDC"):
         size = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8}.get(mods[0] if mods else "", 4)
         mask, value = v(1, size)
@@ -501,11 +676,15 @@ def _evaluate(instruction: Instruction, state: dict[str, Known], params: dict[in
         combine = next((_BOOL[m] for m in mods if m in _BOOL), None)
         a, b, c = _full(v(2)), _full(v(3)), _full(v(4), 1)
         chain = _full(v(5), 1) if extended else 1
-        if None not in (a, b, c, chain) and combine is not None and (not extended or mods[0] in ("EQ", "NE")):
+        if None not in (a, b, c, chain) and combine is not None:
             x, y = (a, b) if unsigned else (_signed(a), _signed(b))
             result = compare(x, y)
-            if extended:  # the high words of a 64-bit equality test, chained with the low words' result
+            # The high words of a 64-bit test, chained with the low words' (unsigned) result: equality needs both,
+            # an order the high words' strict order or, where they are equal, the low words'.
+            if extended and mods[0] in ("EQ", "NE"):
                 result = (result and chain) if mods[0] == "EQ" else (result or chain)
+            elif extended:
+                result = (x != y and result) or (x == y and bool(chain))
             out[dest] = _const(int(combine(result, bool(c))), 1)
     elif op in ("LOP3", "ULOP3") and "LUT" in mods:
         predicate_out = _PRED_OPERAND.fullmatch(ops[0].strip()) is not None
@@ -528,10 +707,18 @@ def _evaluate(instruction: Instruction, state: dict[str, Known], params: dict[in
     return out
 
 
-def decided_successors(blocks: list[Block], params: dict[int, int]) -> list[list[int]]:
+def decided_successors(blocks: list[Block], params: dict[int, int], specials: dict[str, int] | None = None,
+                       first_pass: frozenset[tuple[int, int]] = frozenset()) -> list[list[int]]:
     """Each block's successors that can be taken when the kernel parameters hold `params` (byte offset in
     constant bank 0 -> byte): blocks never reached get none. A forward propagation of known bits to a fixed point
-    (a bit stays known in a block where every path into it agrees on it)."""
+    (a bit stays known in a block where every path into it agrees on it).
+
+    One thread's branches: with `specials` (special register -> value, e.g. SR_TID.X: 0) the thread's integer
+    arithmetic is followed too (_integer), and with `first_pass` (back edges (latch, header)) what flows along
+    those edges is dropped: the loop's first iteration decides its branches (block 0's first row of a loop over
+    rows, whose induction variable would otherwise make every row index, and each test of it, unknown). The
+    latch's own branch stays open (the loop still exits)."""
+    latches = {latch for latch, _ in first_pass}
     entry_states: list[dict[str, Known] | None] = [None] * len(blocks)
     entry_states[0] = {}
     taken: list[list[int]] = [[] for _ in blocks]
@@ -546,7 +733,7 @@ def decided_successors(blocks: list[Block], params: dict[int, int]) -> list[list
             guard = _full(_value(instruction.predicate.lstrip("@"), state, params), 1) if instruction.predicate else 1
             if guard == 0:
                 continue
-            for name, known in _evaluate(instruction, state, params).items():
+            for name, known in _evaluate(instruction, state, params, specials).items():
                 known = known if guard == 1 else _meet(known, state.get(name, _UNKNOWN))
                 if known[0]:
                     state[name] = known
@@ -554,15 +741,22 @@ def decided_successors(blocks: list[Block], params: dict[int, int]) -> list[list
                     state.pop(name, None)
         last = block.instructions[-1]
         successors = list(block.successors)
-        if last.predicate and (last.is_jump or last.op == "EXIT") and "DIV" not in last.modifiers:
+        if last.predicate and (last.is_jump or last.op == "EXIT") and "DIV" not in last.modifiers and b not in latches:
             guard = _full(_value(last.predicate.lstrip("@"), state, params), 1)
             target = last.branch_target()
-            if guard == 1:
-                successors = [s for s in successors if target is not None and blocks[s].start == target][:1]
+            if guard == 1:  # the block at the target (after it, where the target is a NOP)
+                landing = min((s for s in successors if target is not None and blocks[s].start >= target),
+                              key=lambda s: blocks[s].start, default=None)
+                successors = [] if landing is None else [landing]
             elif guard == 0:
                 successors = [s for s in successors if s == b + 1][:1]
         taken[b] = successors
         for s in successors:
+            if (b, s) in first_pass:
+                if entry_states[s] is None:  # the header reached along its back edge only: nothing known there
+                    entry_states[s] = {}
+                    work.append(s)
+                continue
             before = entry_states[s]
             merged = dict(state) if before is None else {
                 name: known for name in before.keys() & state.keys() if (known := _meet(before[name], state[name]))[0]}
@@ -659,18 +853,21 @@ def _uniform_destinations(instruction: Instruction) -> set[str]:
     return {f"U{int(match.group(1)) + k}" for k in range(width)}
 
 
-def attributed_accesses(function: Function, known: dict[int, int] | None = None
+def attributed_accesses(function: Function, known: dict[int, int] | None = None,
+                        specials: dict[str, int] | None = None, first_pass: frozenset[tuple[int, int]] = frozenset()
                         ) -> tuple[list[Block], list[list[int]], dict[int, set[int]]]:
     """(basic blocks, the successors taken when the kernel parameters hold `known` (decided_successors; every edge
     without), and for every global access (load, store, reduction, async copy) by address: the parameters its
     address derives from along those edges (reaching_parameters)). Kept in function.cache: the audit analyzes a
     kernel once per launch shape, the attribution depends on the parameters only."""
-    key = ("attributed_accesses", tuple(sorted((known or {}).items())))
+    key = ("attributed_accesses", tuple(sorted((known or {}).items())), tuple(sorted((specials or {}).items())),
+           tuple(sorted(first_pass)))
     if key not in function.cache:
         if "basic_blocks" not in function.cache:
             function.cache["basic_blocks"] = basic_blocks(function)
         blocks = function.cache["basic_blocks"]
-        successors = decided_successors(blocks, known) if known else [list(b.successors) for b in blocks]
+        successors = (decided_successors(blocks, known or {}, specials, first_pass) if known or specials
+                      else [list(b.successors) for b in blocks])
         reaching = reaching_parameters(blocks, successors)
         parameters = {instruction.address: reaching(block.index, k)
                       for block in blocks for k, instruction in enumerate(block.instructions)

@@ -127,6 +127,104 @@ def test_branches_decided_by_known_parameters(params, taken):
     assert sass.decided_successors(blocks, params) == taken
 
 
+# A loop over rows as nvcc writes it: the thread's lane (SR_TID.X) and row (SR_CTAID.X), lanes (0x280) and units
+# (a 64-bit 0x250) from the arguments; a pack at lane + lanes whose square is skipped where it is absent (0xb0), the
+# row's test against rows (0x260), the row advanced by 2 x lanes each iteration (the loop's induction variable).
+ROW_LOOP = """
+0x00 S2R R0, SR_TID.X
+0x10 S2UR UR4, SR_CTAID.X
+0x20 LDC R3, c[0x0][0x280]
+0x30 LDC.64 R8, c[0x0][0x250]
+0x40 IMAD.U32 R2, RZ, RZ, UR4
+0x50 IMAD.SHL.U32 R5, R3, 0x2, RZ
+0x60 IADD3 R4, R0, R3, RZ
+0x70 ISETP.GE.U32.AND P0, PT, R4, R8, PT
+0x80 ISETP.GE.AND.EX P0, PT, RZ, R9, PT, P0
+0x90 ISETP.GE.U32.AND P1, PT, R2, c[0x0][0x260], PT
+0xa0 @P1 BRA 0xd0
+0xb0 @P0 BRA 0xd0
+0xc0 FFMA R10, R11, R11, R10
+0xd0 IADD3 R2, R2, R5, RZ
+0xe0 ISETP.LT.U32.AND P2, PT, R2, c[0x0][0x260], PT
+0xf0 @P2 BRA 0x60
+0x100 EXIT
+"""
+
+
+def _arguments(lanes: int, units: int, rows: int) -> dict[int, int]:
+    fields = {0x280: (lanes, 4), 0x250: (units, 8), 0x260: (rows, 4)}
+    return {offset + k: (value >> (8 * k)) & 0xFF for offset, (value, size) in fields.items() for k in range(size)}
+
+
+@pytest.mark.parametrize(
+    "units, specials, first_pass, taken",
+    [
+        # Lane 0 of block 0 on its first row: the row is in range, its second pack present (64 + 0 < 128).
+        (128, True, True, [[1], [2], [3], [4], [1, 5], []]),
+        (64, True, True, [[1], [2], [4], [], [1, 5], []]),  # a row of one pack per lane: the square skipped
+        # Without the first pass the row is unknown (the back edge's value meets the entry's); the lane still decides.
+        (128, True, False, [[1], [4, 2], [3], [4], [1, 5], []]),
+        # Parameters alone (the audit until 2026-12-05): neither is decided, and a path could go around the square.
+        (128, False, False, [[1], [4, 2], [4, 3], [4], [1, 5], []]),
+    ],
+)
+def test_thread_branches_on_the_first_row(units, specials, first_pass, taken):
+    blocks = sass.basic_blocks(_function(ROW_LOOP))
+    assert [b.start for b in blocks] == [0x0, 0x60, 0xB0, 0xC0, 0xD0, 0x100]
+    thread = kernel_audit.THREAD if specials else None
+    edges = frozenset({(4, 1)}) if first_pass else frozenset()
+    assert sass.decided_successors(blocks, _arguments(64, units, 1000), thread, edges) == taken
+
+
+def test_branch_to_a_nop_lands_on_the_next_instruction():
+    """basic_blocks drops NOPs: a branch to one had no edge (the absmax fold of a quantized kernel, sm_80), and once
+    its predicate was decided the block had no successor at all."""
+    blocks = sass.basic_blocks(_function("""
+0x00 ISETP.NE.AND P0, PT, RZ, c[0x0][0x210], PT
+0x10 @P0 BRA 0x30
+0x20 EXIT
+0x30 NOP
+0x40 EXIT
+"""))
+    assert [(b.start, b.successors) for b in blocks] == [(0x0, [2, 1]), (0x20, []), (0x40, [])]
+    assert sass.decided_successors(blocks, {0x210: 1, 0x211: 0, 0x212: 0, 0x213: 0}) == [[2], [], []]
+
+
+@pytest.mark.parametrize(
+    "line, state, expected",
+    [
+        ("IADD3 R6, P2, R3, R0, RZ", {"R3": 0xFFFFFFFF, "R0": 2}, {"R6": 1, "P2": 1}),  # carry out
+        ("IADD3.X R7, R2, RZ, RZ, P2, !PT", {"R2": 5, "P2": 1}, {"R7": 6}),
+        ("IADD3 R1, R2, -R3, RZ", {"R2": 5, "R3": 7}, {"R1": 0xFFFFFFFE}),
+        ("IMAD.HI.U32 R4, R2, R5, RZ", {"R5": 0}, {"R4": 0}),  # R2 unknown (a reciprocal): times 0 is 0
+        ("IMAD.MOV R7, RZ, RZ, -R3", {"R3": 3}, {"R7": 0xFFFFFFFD}),
+        ("IMAD.WIDE.U32 R8, R6, 0x10, R10", {"R6": 0x10000000, "R10": 4, "R11": 1}, {"R8": 4, "R9": 2}),
+        ("IMAD.WIDE R8, R6, 0x2, RZ", {"R6": 0xFFFFFFFF}, {"R8": 0xFFFFFFFE, "R9": 0xFFFFFFFF}),
+        # The carry of the add only: bits shifted out of the low word go to the high word's LEA.HI.X.
+        ("LEA R2, P0, R4, R6, 0x4", {"R4": 0x10000000, "R6": 1}, {"R2": 1, "P0": 0}),
+        ("LEA R2, P0, R4, R6, 0x4", {"R4": 0x08000000, "R6": 0x80000000}, {"R2": 0, "P0": 1}),
+        ("LEA.HI R6, R3, R44, RZ, 0x5", {"R3": 0xFFFFFFFF, "R44": 7}, {"R6": 7 + 31}),  # rounding of x / 32
+        ("LEA.HI.X R3, R8, R9, R10, 0x4, P0", {"R8": 0xF0000000, "R9": 1, "R10": 2, "P0": 1}, {"R3": 1 + 0x2F + 1}),
+        ("LEA.HI.X.SX32 R7, R3, R2, 0x1, P2", {"R3": 0xFFFFFFFE, "R2": 9, "P2": 0}, {"R7": 8}),
+        ("SHF.R.S32.HI R3, RZ, 0x1f, R44", {"R44": 0x80000000}, {"R3": 0xFFFFFFFF}),
+        ("SHF.L.U64.HI R3, R2, 0x4, R5", {"R2": 0xF0000000, "R5": 1}, {"R3": 0x1F}),
+        ("SHF.R.U64 R3, R2, 0x4, R5", {"R2": 0x10, "R5": 1}, {"R3": 0x10000001}),
+        ("IMNMX R3, R2, 0x2, !PT", {"R2": 1}, {"R3": 2}),
+        ("ISETP.LT.AND.EX P0, PT, R7, R9, PT, P1", {"R7": 0, "R9": 0, "P1": 1}, {"P0": 1}),  # high words equal
+        ("ISETP.GE.AND.EX P0, PT, R7, R9, PT, P1", {"R7": 0xFFFFFFFF, "R9": 0, "P1": 1}, {"P0": 0}),  # -1 < 0
+        ("S2R R5, SR_TID.X", {}, {"R5": 0}),
+        ("CS2R R8, SRZ", {}, {"R8": 0, "R9": 0}),
+        ("P2R R43, PR, RZ, 0x40", {"P6": 1}, {"R43": 0x40}),
+    ],
+)
+def test_thread_integer_arithmetic(line, state, expected):
+    (instruction,) = _function(f"0x00 {line}").instructions
+    known = {name: (1, value) if name.startswith("P") else (0xFFFFFFFF, value) for name, value in state.items()}
+    written = sass._evaluate(instruction, known, {}, kernel_audit.THREAD)
+    bits = {name: 1 if name.startswith("P") else 0xFFFFFFFF for name in expected}
+    assert {name: written.get(name) for name in expected} == {name: (bits[name], v) for name, v in expected.items()}
+
+
 def test_reaching_definitions_follow_the_graph():
     """The address of the load at 0x40 comes from the weight pointer (0x220) defined before the branch; the
     nearest definition in address order (0x20, the input's: what the audit's earlier backward search in address
@@ -379,12 +477,17 @@ def _sm90_functions(kernels: set[str], what: str) -> dict[str, sass.Function]:
     return {kernel: functions[by_kernel[kernel]] for kernel in kernels}
 
 
+def _with_arguments(plan: dict, rows: int, cols: int) -> dict:
+    """The plan as audit() hands it to analyze_row_path: with the launch's arguments (its thread's branches)."""
+    return dict(plan, cols=cols, args=kernel_audit.launch_arguments(plan, rows, cols))
+
+
 @pytest.fixture(scope="module")
 def quantized_sm90():
     """(op, dtype, cols) -> (function, plan) of the quantized forward the sm_90 plan names."""
     cases = [("rms_norm", "bfloat16", 4096), ("rms_norm", "bfloat16", 131072), ("layer_norm", "float32", 16384)]
-    plans = {case: dict(_plan(op=case[0], input_dtype=case[1], cols=case[2], rows=1024, quantized=True,
-                              compute_capability=90), cols=case[2]) for case in cases}
+    plans = {case: _with_arguments(_plan(op=case[0], input_dtype=case[1], cols=case[2], rows=1024, quantized=True,
+                                         compute_capability=90), 1024, case[2]) for case in cases}
     functions = _sm90_functions({plan["kernel"] for plan in plans.values()}, "quantized")
     return {case: (functions[plan["kernel"]], plan) for case, plan in plans.items()}
 
@@ -396,8 +499,8 @@ def plain_sm90():
     cases = [("layer_norm", "bfloat16", "forward", 65536), ("layer_norm", "float32", "forward", 65536),
              ("rms_norm", "bfloat16", "forward", 65536), ("layer_norm", "bfloat16", "backward", 262144),
              ("rms_norm", "float32", "backward", 262144)]
-    plans = {case: dict(_plan(op=case[0], input_dtype=case[1], direction=case[2], cols=case[3], rows=1024,
-                              compute_capability=90, blocks_per_sm=2), cols=case[3]) for case in cases}
+    plans = {case: _with_arguments(_plan(op=case[0], input_dtype=case[1], direction=case[2], cols=case[3], rows=1024,
+                                         compute_capability=90, blocks_per_sm=2), 1024, case[3]) for case in cases}
     kernels = {k for plan in plans.values() for k in (plan["kernel"], plan.get("sums_kernel")) if k}
     functions = _sm90_functions(kernels, "plain")
     return {case: (functions, plan) for case, plan in plans.items()}
