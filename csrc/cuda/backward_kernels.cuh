@@ -76,9 +76,6 @@ struct RowCoefficients {
   A xscale, delta, rstd, mean_g, k;
 };
 
-__device__ __forceinline__ float fused_multiply_add(float a, float b, float c) { return __fmaf_rn(a, b, c); }
-__device__ __forceinline__ double fused_multiply_add(double a, double b, double c) { return __fma_rn(a, b, c); }
-
 template <bool kRms, typename A, typename S>
 __device__ __forceinline__ RowCoefficients<A> row_coefficients(const BackwardArgs<A>& a, A rstd,
                                                                const BackwardSums<S, kRms>& s) {

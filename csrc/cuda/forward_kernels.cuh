@@ -126,9 +126,24 @@ struct AffinePack {
   RawPack<Tw, kVec> weight, bias;
 };
 
+// kVec copies of v as the raw bits of a pack.
+template <typename Tw, int kVec>
+__device__ __forceinline__ RawPack<Tw, kVec> raw_filled(Tw v) {
+  Pack<Tw, kVec> pack;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) pack.v[j] = v;
+  return bits_as<RawPack<Tw, kVec>>(pack);
+}
+
+// LayerNorm's absent weight reads as ones and its absent bias as -0 (y = xhat * 1 + -0 is xhat, its sign kept), so
+// that normalize_pack applies both with one fused multiply-add and no branch; RMSNorm's absent weight is a branch.
 template <typename Tw, bool kRms, typename A, int kVec>
 __device__ __forceinline__ AffinePack<Tw, kVec> load_affine(const ForwardArgs<A>& a, int64_t col_unit) {
   AffinePack<Tw, kVec> wb{};
+  if constexpr (!kRms) {
+    wb.weight = raw_filled<Tw, kVec>(from_acc<Tw>(A(1)));
+    wb.bias = raw_filled<Tw, kVec>(from_acc<Tw>(-A(0)));
+  }
   if (a.weight != nullptr) wb.weight = reinterpret_cast<const RawPack<Tw, kVec>*>(a.weight)[col_unit];
   if (!kRms && a.bias != nullptr) wb.bias = reinterpret_cast<const RawPack<Tw, kVec>*>(a.bias)[col_unit];
   return wb;
@@ -137,22 +152,35 @@ __device__ __forceinline__ AffinePack<Tw, kVec> load_affine(const ForwardArgs<A>
 // y = xhat * scale + bias (LayerNorm) or xhat * scale (RMSNorm), scale = weight + weight_offset, for one
 // pack whose weight and bias are already loaded; with `cast` (a.cast_before_weight) xhat is rounded to the
 // output dtype first.
+// LayerNorm: xhat = fma(h - shift, rstd, -corr * rstd) (the product exact inside the fused multiply-add; corr * rstd,
+// small, rounded once per row) and y = fma(xhat, weight + weight_offset, bias), with load_affine's ones and -0 for an
+// absent weight or bias: two roundings after h - shift where the separate steps took four, and no branch.
 template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
 __device__ __forceinline__ void normalize_pack(const ForwardArgs<A>& a, const A (&h)[kVec], const RowStats<A>& st,
                                                const AffinePack<Tw, kVec>& wb, bool cast, A (&y)[kVec]) {
+  if constexpr (kRms) {
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) y[j] = kRms ? h[j] * st.rstd : ((h[j] - st.shift) - st.corr) * st.rstd;
-  if (a.weight != nullptr) {
-    if (cast) {
+    for (int j = 0; j < kVec; ++j) y[j] = h[j] * st.rstd;
+    if (a.weight != nullptr) {
+      if (cast) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) y[j] = to_acc<A>(from_acc<Tin>(y[j]));
+      }
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) y[j] *= raw_element<A>(wb.weight, j) + a.weight_offset;
+    }
+  } else {
+    const A scaled_corr = st.corr * st.rstd;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) y[j] = fused_multiply_add(h[j] - st.shift, st.rstd, -scaled_corr);
+    if (cast && a.weight != nullptr) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) y[j] = to_acc<A>(from_acc<Tin>(y[j]));
     }
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) y[j] *= raw_element<A>(wb.weight, j) + a.weight_offset;
-  }
-  if (!kRms && a.bias != nullptr) {
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) y[j] += raw_element<A>(wb.bias, j);
+    for (int j = 0; j < kVec; ++j) {
+      y[j] = fused_multiply_add(y[j], raw_element<A>(wb.weight, j) + a.weight_offset, raw_element<A>(wb.bias, j));
+    }
   }
 }
 

@@ -82,6 +82,10 @@ __device__ __forceinline__ T from_acc(A v) {
   }
 }
 
+// a * b + c rounded once (the compiler contracts only a product and a sum of one expression).
+__device__ __forceinline__ float fused_multiply_add(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+__device__ __forceinline__ double fused_multiply_add(double a, double b, double c) { return __fma_rn(a, b, c); }
+
 // kVec elements of T, aligned for one vector access (16 bytes at most per instruction).
 template <typename T, int kVec>
 struct alignas(sizeof(T) * kVec < 16 ? sizeof(T) * kVec : 16) Pack {
