@@ -241,7 +241,7 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
 
     blocks, successors, pointer_names, stream, all_loops, row_loop = attribute()
     # The branches of one thread: lane 0 of block 0 (a full row's first thread: every pack of its row valid) on its
-    # first row, the kernel's arguments as the launcher sets them (plan["args"]). Until 2026-12-05 only parameter
+    # first row, the kernel's arguments as the launcher sets them (plan["args"]). Until 2026-12-04 only parameter
     # bytes decided branches, and the path went around each pack's `if (valid[p])` where it held arithmetic only:
     # the bf16 RMSNorm forward at N = 2048 counted FMUL 32 and no FFMA for the 64 of its sum of squares.
     if "args" in plan:

@@ -475,7 +475,7 @@ def _integer(instruction: Instruction, state: dict[str, Known], params: dict[int
     uniform = op.startswith("U") and op not in ("UMOV",)
     base_op = op[1:] if uniform else op
     if op in ("S2R", "S2UR") and len(ops) == 2 and ops[1] in specials:
-        return {ops[0]: _const(specials[ops[0 + 1]])}
+        return {ops[0]: _const(specials[ops[1]])}
     if op == "CS2R" and len(ops) == 2 and ops[1] == "SRZ" and _REG_OPERAND.fullmatch(ops[0]):
         return {ops[0]: _const(0), _pair(ops[0]): _const(0)}
     if op == "R2UR" and len(ops) == 2:

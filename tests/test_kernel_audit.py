@@ -164,7 +164,7 @@ def _arguments(lanes: int, units: int, rows: int) -> dict[int, int]:
         (64, True, True, [[1], [2], [4], [], [1, 5], []]),  # a row of one pack per lane: the square skipped
         # Without the first pass the row is unknown (the back edge's value meets the entry's); the lane still decides.
         (128, True, False, [[1], [4, 2], [3], [4], [1, 5], []]),
-        # Parameters alone (the audit until 2026-12-05): neither is decided, and a path could go around the square.
+        # Parameters alone (the audit until 2026-12-04): neither is decided, and a path could go around the square.
         (128, False, False, [[1], [4, 2], [4, 3], [4], [1, 5], []]),
     ],
 )
