@@ -708,7 +708,8 @@ def _evaluate(instruction: Instruction, state: dict[str, Known], params: dict[in
 
 
 def decided_successors(blocks: list[Block], params: dict[int, int], specials: dict[str, int] | None = None,
-                       first_pass: frozenset[tuple[int, int]] = frozenset()) -> list[list[int]]:
+                       first_pass: frozenset[tuple[int, int]] = frozenset(),
+                       observe: Callable[[Instruction, dict[str, Known]], None] | None = None) -> list[list[int]]:
     """Each block's successors that can be taken when the kernel parameters hold `params` (byte offset in
     constant bank 0 -> byte): blocks never reached get none. A forward propagation of known bits to a fixed point
     (a bit stays known in a block where every path into it agrees on it).
@@ -717,7 +718,8 @@ def decided_successors(blocks: list[Block], params: dict[int, int], specials: di
     arithmetic is followed too (_integer), and with `first_pass` (back edges (latch, header)) what flows along
     those edges is dropped: the loop's first iteration decides its branches (block 0's first row of a loop over
     rows, whose induction variable would otherwise make every row index, and each test of it, unknown). The
-    latch's own branch stays open (the loop still exits)."""
+    latch's own branch stays open (the loop still exits). `observe` sees each instruction with the state
+    before it (as the propagation visits it; tests read a thread's addresses with it)."""
     latches = {latch for latch, _ in first_pass}
     entry_states: list[dict[str, Known] | None] = [None] * len(blocks)
     entry_states[0] = {}
@@ -728,6 +730,8 @@ def decided_successors(blocks: list[Block], params: dict[int, int], specials: di
         state = dict(entry_states[b])
         block = blocks[b]
         for instruction in block.instructions:
+            if observe is not None:
+                observe(instruction, state)
             if instruction.is_jump or instruction.op in ("EXIT", "RET"):
                 continue
             guard = _full(_value(instruction.predicate.lstrip("@"), state, params), 1) if instruction.predicate else 1

@@ -543,6 +543,53 @@ def test_long_backward_paths(plain_sm90, case):
         assert _path_ops(functions[kernel], figures.path)["FCHK"] == 0
 
 
+@pytest.fixture(scope="module")
+def thread_sm90():
+    """(op, dtype, direction, cols) -> (function, plan) of register-path and cluster kernels the sm_90 plan names."""
+    cases = [("rms_norm", "bfloat16", "forward", 2048), ("layer_norm", "bfloat16", "backward", 4096),
+             ("layer_norm", "float32", "forward", 65536)]
+    plans = {case: _with_arguments(_plan(op=case[0], input_dtype=case[1], direction=case[2], cols=case[3], rows=1024,
+                                         compute_capability=90, blocks_per_sm=2), 1024, case[3]) for case in cases}
+    functions = _sm90_functions({plan["kernel"] for plan in plans.values()}, "plain")
+    return {case: (functions[plan["kernel"]], plan) for case, plan in plans.items()}
+
+
+@pytest.mark.parametrize(("case", "packs"), [
+    (("rms_norm", "bfloat16", "forward", 2048), 4),  # the register path: lanes 64, 4 packs
+    (("layer_norm", "bfloat16", "backward", 4096), 2),  # lanes 256, 2 packs
+    (("layer_norm", "float32", "forward", 65536), 4),  # the long kernel on a cluster of 2 (lanes 1024): a chunk of 4
+])
+def test_thread_addresses_of_the_weight(thread_sm90, monkeypatch, case, packs):
+    """The audit's thread arithmetic checked against the compiled code: with the weight pointer known, thread 0's
+    weight (and bias: the same pointer) loads come out at weight + 16 x lanes x p, pack p of the thread, as the kernels
+    index them. A wrong add, multiply, LEA or shift in sass._integer moves these addresses."""
+    op, _, direction, _ = case
+    function, plan = thread_sm90[case]
+    calls: list[tuple] = []
+    real = sass.attributed_accesses
+
+    def record(function, known=None, specials=None, first_pass=frozenset()):
+        if specials:
+            calls.append((dict(known), specials, first_pass))
+        return real(function, known, specials, first_pass)
+
+    monkeypatch.setattr(sass, "attributed_accesses", record)
+    kernel_audit.analyze_row_path(function, SM90, plan, op, direction)
+    (known, specials, first_pass), *_ = calls
+    addresses: set[int] = set()
+
+    def observe(instruction: sass.Instruction, state: dict) -> None:
+        if instruction.op == "LDG":
+            low = min(sass._address_registers(instruction)[0])
+            words = [state.get(f"R{low + k}", (0, 0)) for k in (0, 1)]
+            if all(mask == 0xFFFFFFFF for mask, _ in words):  # known: only the weight's and bias' pointers are
+                addresses.add(words[0][1] | words[1][1] << 32)
+
+    sass.decided_successors(function.cache["basic_blocks"], known, specials, first_pass, observe)
+    pack_bytes = 16 * plan["lanes"]
+    assert sorted(addresses) == [kernel_audit.NON_NULL_POINTER + p * pack_bytes for p in range(packs)]
+
+
 def _path_ops(function: sass.Function, path: list[int]) -> dict[str, int]:
     """Markers on the path, each block once: the division's FCHK, the codes' clamps (e4m3fn at 448, e5m2 at 57344),
     int8's conversion (F2I)."""
