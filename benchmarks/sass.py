@@ -480,7 +480,7 @@ def _integer(instruction: Instruction, state: dict[str, Known], params: dict[int
         return {ops[0]: _const(0), _pair(ops[0]): _const(0)}
     if op == "R2UR" and len(ops) == 2:
         return {ops[0]: _value(ops[1], state, params)}
-    if op == "P2R" and len(ops) == 4 and ops[1] == "PR":  # P2R Rd, PR, Ra, mask: predicates into a register's bits
+    if op == "P2R" and not mods and len(ops) == 4 and ops[1] == "PR":  # P2R Rd, PR, Ra, mask: predicates -> bits 0-6
         mask_bits, base = _full(_value(ops[3], state, params)), _value(ops[2], state, params)
         if mask_bits is None:
             return {}
@@ -489,7 +489,7 @@ def _integer(instruction: Instruction, state: dict[str, Known], params: dict[int
             if mask_bits >> k & 1 and (p := state.get(f"P{k}")) is not None and p[0]:
                 known, value = known | 1 << k, value | (p[1] & 1) << k
         return {ops[0]: (known, value)}
-    if op == "R2P" and len(ops) == 3 and ops[0] == "PR":  # R2P PR, Ra, mask: a register's bits into predicates
+    if op == "R2P" and not mods and len(ops) == 3 and ops[0] == "PR":  # R2P PR, Ra, mask: bits 0-6 -> predicates
         mask_bits, source = _full(_value(ops[2], state, params)), _value(ops[1], state, params)
         if mask_bits is None:
             return {}
@@ -507,8 +507,8 @@ def _integer(instruction: Instruction, state: dict[str, Known], params: dict[int
     carry_in: list[str] = []
     while sources and _PRED_OPERAND.fullmatch(sources[-1]):
         carry_in.insert(0, sources.pop())
-    if not _REG_OPERAND.fullmatch(dest):
-        return {}
+    if not _REG_OPERAND.fullmatch(dest) or not set(mods) <= _INTEGER_MODIFIERS.get(base_op, set()):
+        return {}  # a form whose modifiers are not all understood (P2R.B1, SHF.W, ...): nothing known
 
     def full(operand: str, size: int = 4) -> int | None:
         return _full(_value(operand, state, params, size), 8 * size)
@@ -533,9 +533,10 @@ def _integer(instruction: Instruction, state: dict[str, Known], params: dict[int
 
     def result(value: int, carry: int | None = None) -> dict[str, Known]:
         written = {dest: _const(value)}
-        if carry_out:  # one carry-out predicate: the sum's bit 32 (two: not followed)
-            name = carry_out[0].lstrip("!")
-            written[name] = _const(carry, 1) if carry is not None and len(carry_out) == 1 and carry <= 1 else _UNKNOWN
+        # The first carry-out predicate: the sum's bit 32, where the sum carries at most 1 (a second one, PT in
+        # nvcc's code, then 0); otherwise not followed.
+        if carry_out and carry_out[0] not in ("PT", "!PT") and not carry_out[0].startswith("!"):
+            written[carry_out[0]] = _const(carry, 1) if carry is not None and carry <= 1 else _UNKNOWN
         return written
 
     def addend(operand: str) -> int | None:  # a two's complement operand as the adder sees it: -x = ~x + 1
@@ -555,22 +556,25 @@ def _integer(instruction: Instruction, state: dict[str, Known], params: dict[int
         a, b = full(sources[0]), full(sources[1])
         zero = a == 0 or b == 0
         if "WIDE" in mods:
+            if "X" in mods:
+                return {}
             c = wide(sources[2])
             if c is None or (not zero and (a is None or b is None)):
                 return {}
             product = 0 if zero else (a * b if "U32" in mods else _signed(a) * _signed(b))
             total = (product + c) & 0xFFFFFFFFFFFFFFFF
             return {dest: _const(total & _FULL), _pair(dest): _const(total >> 32)}
+        if "HI" in mods:  # the high word of a * b + c, c a 64-bit pair ({R3:R2} in IMAD.HI.U32 R3, R3, R5, R2)
+            c = wide(sources[2])
+            if "X" in mods or c is None or (not zero and (a is None or b is None)):
+                return {}
+            product = 0 if zero else (a * b if "U32" in mods else _signed(a) * _signed(b))
+            return result(((product + c) >> 32) & _FULL)
         c = addend(sources[2])
         carry = carries() if "X" in mods else 0
         if c is None or carry is None or (not zero and (a is None or b is None)):
             return {}
-        product = 0 if zero else a * b
-        if "HI" in mods:
-            if "U32" not in mods and not zero:
-                product = _signed(a) * _signed(b)
-            product >>= 32
-        total = product + c + carry
+        total = (0 if zero else a * b) + c + carry
         return result(total & _FULL)
     if base_op == "LEA" and sources:
         shift = full(sources[-1])
@@ -592,21 +596,18 @@ def _integer(instruction: Instruction, state: dict[str, Known], params: dict[int
         total = ((a << shift) & _FULL) + b
         return result(total & _FULL, total >> 32)
     if base_op == "SHF" and len(sources) == 3:
+        # A funnel shift of the pair {c:a}: .HI takes the high word of the result, else the low word.
         a, shift, c = full(sources[0]), full(sources[1]), full(sources[2])
-        if a is None or shift is None or c is None:
+        if a is None or shift is None or c is None or shift >= (64 if "U64" in mods or "S64" in mods else 32):
             return {}
         pair = (c << 32) | a
         if "L" in mods:
-            shifted = pair << min(shift, 64)
-            value = shifted >> 32 if "HI" in mods else (shifted if "U64" in mods else a << min(shift, 32))
+            value = pair << shift
         elif "S32" in mods or "S64" in mods:
-            signed_pair = pair - (1 << 64) if pair >> 63 else pair
-            value = signed_pair >> min(shift, 63)
-            value = value >> 32 if "HI" in mods else value
+            value = (pair - (1 << 64) if pair >> 63 else pair) >> shift
         else:
-            value = pair >> min(shift, 64)
-            value = value >> 32 if "HI" in mods else (value if "U64" in mods else a >> min(shift, 32))
-        return result(value & _FULL)
+            value = pair >> shift
+        return result((value >> 32 if "HI" in mods else value) & _FULL)
     if base_op in ("IMNMX", "VIMNMX") and len(sources) == 2 and carry_in:
         a, b, smaller = full(sources[0]), full(sources[1]), _full(_value(carry_in[0], state, params), 1)
         if a is None or b is None or smaller is None:
@@ -616,6 +617,12 @@ def _integer(instruction: Instruction, state: dict[str, Known], params: dict[int
     if base_op == "IABS" and len(sources) == 1 and (a := full(sources[0])) is not None:
         return result(abs(_signed(a)) & _FULL)
     return {}
+
+
+# The modifiers _integer understands, by operation (its uniform form too): any other makes it give up.
+_INTEGER_MODIFIERS = {"IADD3": {"X"}, "VIADD": set(), "IMAD": {"MOV", "U32", "IADD", "SHL", "WIDE", "HI", "X"},
+                      "LEA": {"HI", "X", "SX32"}, "SHF": {"L", "R", "U32", "U64", "S32", "S64", "HI"},
+                      "IMNMX": {"U32"}, "VIMNMX": {"U32"}, "IABS": set()}
 
 
 def _evaluate(instruction: Instruction, state: dict[str, Known], params: dict[int, int],
@@ -718,9 +725,11 @@ def decided_successors(blocks: list[Block], params: dict[int, int], specials: di
     arithmetic is followed too (_integer), and with `first_pass` (back edges (latch, header)) what flows along
     those edges is dropped: the loop's first iteration decides its branches (block 0's first row of a loop over
     rows, whose induction variable would otherwise make every row index, and each test of it, unknown). The
-    latch's own branch stays open (the loop still exits). `observe` sees each instruction with the state
+    loop's exits stay open, the latch's branch and any other out of the loop (the loop still ends). `observe` sees each instruction with the state
     before it (as the propagation visits it; tests read a thread's addresses with it)."""
-    latches = {latch for latch, _ in first_pass}
+    # Left open: the latch's branch and every other branch out of the loop (a loop tested at its top exits there).
+    latches = {b for latch, header in first_pass for b in range(header, latch + 1)
+               if b == latch or any(s < header or s > latch for s in blocks[b].successors)}
     entry_states: list[dict[str, Known] | None] = [None] * len(blocks)
     entry_states[0] = {}
     taken: list[list[int]] = [[] for _ in blocks]

@@ -190,13 +190,26 @@ def test_branch_to_a_nop_lands_on_the_next_instruction():
     assert sass.decided_successors(blocks, {0x210: 1, 0x211: 0, 0x212: 0, 0x213: 0}) == [[2], [], []]
 
 
+def test_thread_integer_arithmetic_leaves_unknown_forms_unknown():
+    """P2R.B1 puts P1 at bit 9, not 1; an IMAD.WIDE with a carry-in, a wrapping shift: forms _integer does not
+    follow write nothing known."""
+    state = {"P1": (1, 1), "R2": (0xFFFFFFFF, 3), "R5": (0xFFFFFFFF, 1), "P0": (1, 1)}
+    for line in ("P2R.B1 R2, PR, RZ, 0x2", "IMAD.WIDE.U32.X R8, R2, 0x10, R10, P0", "SHF.L.W.U32.HI R3, R2, 0x4, R5"):
+        (instruction,) = _function(f"0x00 {line}").instructions
+        written = sass._evaluate(instruction, state, {}, kernel_audit.THREAD)
+        assert all(known[0] == 0 for known in written.values()), line
+
+
 @pytest.mark.parametrize(
     "line, state, expected",
     [
         ("IADD3 R6, P2, R3, R0, RZ", {"R3": 0xFFFFFFFF, "R0": 2}, {"R6": 1, "P2": 1}),  # carry out
         ("IADD3.X R7, R2, RZ, RZ, P2, !PT", {"R2": 5, "P2": 1}, {"R7": 6}),
         ("IADD3 R1, R2, -R3, RZ", {"R2": 5, "R3": 7}, {"R1": 0xFFFFFFFE}),
+        ("IADD3 R6, P2, PT, R3, R0, RZ", {"R3": 0xFFFFFFFF, "R0": 2}, {"R6": 1, "P2": 1}),  # PT: the 2nd carry-out
         ("IMAD.HI.U32 R4, R2, R5, RZ", {"R5": 0}, {"R4": 0}),  # R2 unknown (a reciprocal): times 0 is 0
+        # c is the pair {R3:R2}: y + umulhi(y, e) in nvcc's division, here with e = 0.
+        ("IMAD.HI.U32 R3, R3, R5, R2", {"R3": 5, "R5": 0, "R2": 0}, {"R3": 5}),
         ("IMAD.MOV R7, RZ, RZ, -R3", {"R3": 3}, {"R7": 0xFFFFFFFD}),
         ("IMAD.WIDE.U32 R8, R6, 0x10, R10", {"R6": 0x10000000, "R10": 4, "R11": 1}, {"R8": 4, "R9": 2}),
         ("IMAD.WIDE R8, R6, 0x2, RZ", {"R6": 0xFFFFFFFF}, {"R8": 0xFFFFFFFE, "R9": 0xFFFFFFFF}),
@@ -209,6 +222,7 @@ def test_branch_to_a_nop_lands_on_the_next_instruction():
         ("SHF.R.S32.HI R3, RZ, 0x1f, R44", {"R44": 0x80000000}, {"R3": 0xFFFFFFFF}),
         ("SHF.L.U64.HI R3, R2, 0x4, R5", {"R2": 0xF0000000, "R5": 1}, {"R3": 0x1F}),
         ("SHF.R.U64 R3, R2, 0x4, R5", {"R2": 0x10, "R5": 1}, {"R3": 0x10000001}),
+        ("SHF.R.U32 R3, R2, 0x4, R5", {"R2": 0x10, "R5": 1}, {"R3": 0x10000001}),  # the funnel's low word
         ("IMNMX R3, R2, 0x2, !PT", {"R2": 1}, {"R3": 2}),
         ("ISETP.LT.AND.EX P0, PT, R7, R9, PT, P1", {"R7": 0, "R9": 0, "P1": 1}, {"P0": 1}),  # high words equal
         ("ISETP.GE.AND.EX P0, PT, R7, R9, PT, P1", {"R7": 0xFFFFFFFF, "R9": 0, "P1": 1}, {"P0": 0}),  # -1 < 0

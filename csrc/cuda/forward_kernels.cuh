@@ -113,14 +113,15 @@ __device__ __forceinline__ void load_h(const ForwardArgs<A>& a, int64_t unit, A 
   }
 }
 
-// A row's statistics as the normalization uses them: xhat = ((h - shift) - corr) * rstd (LayerNorm; h - shift
-// is exact near the mean and corr the small rest of the mean) or h * rstd (RMSNorm).
+// A row's statistics as the normalization uses them: xhat = (h - shift) * rstd - corr * rstd (LayerNorm, one fused
+// multiply-add; h - shift is exact near the mean and corr the small rest of the mean) or h * rstd (RMSNorm).
 template <typename A>
 struct RowStats {
   A shift, corr, rstd;
 };
 
-// A pack's weight and bias as stored; each only where the tensor is given (bias: LayerNorm).
+// A pack's weight and bias as stored (bias: LayerNorm); where the tensor is absent, load_affine's ones and -0
+// (LayerNorm) or zeros (RMSNorm: its normalize tests the weight pointer).
 template <typename Tw, int kVec>
 struct AffinePack {
   RawPack<Tw, kVec> weight, bias;
