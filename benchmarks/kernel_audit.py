@@ -174,6 +174,11 @@ class PathFigures:
     path: list[int] = field(default_factory=list)  # the blocks of the path (sass.basic_blocks indices)
 
 
+def streams_of(blocks: list[sass.Block], stream: dict[int, str | None], block_ids: Iterable[int]) -> set[str]:
+    """The streams the blocks' global accesses are attributed to."""
+    return {stream[i.address] for b in block_ids for i in blocks[b].instructions if stream.get(i.address)}
+
+
 def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, direction: str) -> PathFigures:
     """Per thread and row: the hot path through the kernel for the audited call, and its figures.
 
@@ -229,18 +234,14 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         pointer_names = {address: [pointers[p] for p in sorted(params) if p in pointers]
                          for address, params in parameters.items()}
         stream = {address: names[0] if len(names) == 1 else None for address, names in pointer_names.items()}
-
-        def streams_in(block_ids: Iterable[int]) -> set[str]:
-            return {stream[i.address] for b in block_ids for i in blocks[b].instructions if stream.get(i.address)}
-
         all_loops = [loop for loop in sass.loops(blocks) if loop.header in successors[loop.latch]]  # back edge taken
-        row_loops = [loop for loop in all_loops if first_stream in streams_in(loop.blocks)
+        row_loops = [loop for loop in all_loops if first_stream in streams_of(blocks, stream, loop.blocks)
                      and any(i.op in ("SHFL", "BAR") for b in loop.blocks for i in blocks[b].instructions)]
         row_loop = max(row_loops, key=lambda loop: len(loop.blocks)) if row_loops else None
         return blocks, successors, pointer_names, stream, all_loops, row_loop
 
     blocks, successors, pointer_names, stream, all_loops, row_loop = attribute()
-    # The branches of one thread: lane 0 of block 0 (a full row's first thread: every pack of its row valid) on its
+    # The branches of one thread: lane 0 of block 0 (at every audited N, every pack of its row present) on its
     # first row, the kernel's arguments as the launcher sets them (plan["args"]). Until 2026-12-04 only parameter
     # bytes decided branches, and the path went around each pack's `if (valid[p])` where it held arithmetic only:
     # the bf16 RMSNorm forward at N = 2048 counted FMUL 32 and no FFMA for the 64 of its sum of squares.
@@ -268,7 +269,7 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         return any(i.op in ops for i in block.instructions)
 
     def streams_in(block_ids: Iterable[int]) -> set[str]:
-        return {stream[i.address] for b in block_ids for i in blocks[b].instructions if stream.get(i.address)}
+        return streams_of(blocks, stream, block_ids)
 
     out_stream = "codes" if direction == "forward_quant" else ("out" if forward else "grad_input")
     region = sorted(row_loop.blocks) if row_loop else [b.index for b in blocks]
