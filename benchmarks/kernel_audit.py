@@ -95,7 +95,7 @@ QUANT_VARIANT = {"scale": (8, 8, 0), "scale_ub": (16, 8, 0), "code": (32, 1, 0),
 FORWARD_ARG_FIELDS = {"rows": (64, 8), "cols": (72, 8), "units": (80, 8), "lanes": (112, 4), "rows_per_block": (116, 4)}
 BACKWARD_ARG_FIELDS = {"rows": (80, 8), "cols": (88, 8), "units": (96, 8), "lanes": (120, 4),
                        "rows_per_block": (124, 4)}
-LAUNCH_CONSTANTS = {"block_x": 0x0}
+BLOCK_DIM_X_OFFSET = 0x0
 # The audited thread: thread 0 of block 0 (and of its cluster): lane 0 of its row.
 THREAD = {"SR_TID.X": 0, "SR_CTAID.X": 0, "SR_CgaCtaId": 0}
 # A thread-block cluster's barrier (cluster.sync(): arrive, then wait): counted once, as a barrier.
@@ -174,6 +174,11 @@ class PathFigures:
     path: list[int] = field(default_factory=list)  # the blocks of the path (sass.basic_blocks indices)
 
 
+def parameter_bytes(offset: int, value: int, size: int) -> dict[int, int]:
+    """A kernel parameter's bytes as the known-bytes map of sass.decided_successors wants them (little-endian)."""
+    return {offset + k: (value >> (8 * k)) & 0xFF for k in range(size)}
+
+
 def streams_of(blocks: list[sass.Block], stream: dict[int, str | None], block_ids: Iterable[int]) -> set[str]:
     """The streams the blocks' global accesses are attributed to."""
     return {stream[i.address] for b in block_ids for i in blocks[b].instructions if stream.get(i.address)}
@@ -204,8 +209,8 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     if direction == "forward_quant":
         quant_base = arch.param_base + QUANT_ARGS_OFFSET["rows" if plan["packs"] else "long"]
         pointers.update({quant_base + offset: name for name, offset in QUANT_POINTERS.items()})
-        known = {quant_base + offset + k: (value >> (8 * k)) & 0xFF
-                 for offset, size, value in QUANT_VARIANT.values() for k in range(size)}
+        for offset, size, value in QUANT_VARIANT.values():
+            known.update(parameter_bytes(quant_base + offset, value, size))
     if not forward:  # the default mode saves the input (the memory-efficient mode's copy of the code is off the path)
         known[arch.param_base + SAVED_IS_OUTPUT_OFFSET] = 0
     elif not plan["packs"]:  # forward_long_kernel's `staged`: the plan's
@@ -218,7 +223,7 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     for name in ("weight", "bias"):
         if name in used:
             offset = arch.param_base + 8 * pointers_list.index(name)
-            known.update({offset + k: (NON_NULL_POINTER >> (8 * k)) & 0xFF for k in range(8)})
+            known.update(parameter_bytes(offset, NON_NULL_POINTER, 8))
     lanes, threads = plan["lanes"], plan["threads"]
     cluster = plan.get("cluster", 1)  # blocks per row (a thread-block cluster): the row's threads are lanes
     row_spans_warps = lanes > 32
@@ -249,8 +254,8 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         args = plan["args"]
         fields = FORWARD_ARG_FIELDS if forward else BACKWARD_ARG_FIELDS
         for name, (offset, size) in fields.items():
-            known.update({arch.param_base + offset + k: (args[name] >> (8 * k)) & 0xFF for k in range(size)})
-        known.update({LAUNCH_CONSTANTS["block_x"] + k: (args["threads"] >> (8 * k)) & 0xFF for k in range(4)})
+            known.update(parameter_bytes(arch.param_base + offset, args[name], size))
+        known.update(parameter_bytes(BLOCK_DIM_X_OFFSET, args["threads"], 4))
         first_pass = frozenset({(row_loop.latch, row_loop.header)}) if row_loop else frozenset()
         blocks, successors, pointer_names, stream, all_loops, row_loop = attribute(THREAD, first_pass)
     # Guard: every access the audited call can run (its blocks reachable along the taken edges) has one pointer; an

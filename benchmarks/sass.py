@@ -472,8 +472,7 @@ def _integer(instruction: Instruction, state: dict[str, Known], params: dict[int
     thread whose special registers `specials` gives, e.g. lane 0 of block 0): name -> known bits; {} where it
     cannot tell. Address-sized sums carry through predicates (IADD3 R6, P2, ...; LEA.HI.X ..., P2)."""
     op, mods, ops = instruction.op, instruction.modifiers, [o.strip() for o in instruction.operands]
-    uniform = op.startswith("U") and op not in ("UMOV",)
-    base_op = op[1:] if uniform else op
+    base_op = op[1:] if op.startswith("U") else op  # UIADD3, UIMAD, ULEA, USHF: the same arithmetic
     if op in ("S2R", "S2UR") and len(ops) == 2 and ops[1] in specials:
         return {ops[0]: _const(specials[ops[1]])}
     if op == "CS2R" and len(ops) == 2 and ops[1] == "SRZ" and _REG_OPERAND.fullmatch(ops[0]):
@@ -728,7 +727,7 @@ def decided_successors(blocks: list[Block], params: dict[int, int], specials: di
     loop's exits stay open, the latch's branch and any other out of the loop (the loop still ends). `observe` sees each instruction with the state
     before it (as the propagation visits it; tests read a thread's addresses with it)."""
     # Left open: the latch's branch and every other branch out of the loop (a loop tested at its top exits there).
-    latches = {b for latch, header in first_pass for b in range(header, latch + 1)
+    open_blocks = {b for latch, header in first_pass for b in range(header, latch + 1)
                if b == latch or any(s < header or s > latch for s in blocks[b].successors)}
     entry_states: list[dict[str, Known] | None] = [None] * len(blocks)
     entry_states[0] = {}
@@ -754,7 +753,8 @@ def decided_successors(blocks: list[Block], params: dict[int, int], specials: di
                     state.pop(name, None)
         last = block.instructions[-1]
         successors = list(block.successors)
-        if last.predicate and (last.is_jump or last.op == "EXIT") and "DIV" not in last.modifiers and b not in latches:
+        decidable = last.predicate and (last.is_jump or last.op == "EXIT") and "DIV" not in last.modifiers
+        if decidable and b not in open_blocks:
             guard = _full(_value(last.predicate.lstrip("@"), state, params), 1)
             target = last.branch_target()
             if guard == 1:  # the block at the target (after it, where the target is a NOP)

@@ -153,7 +153,8 @@ ROW_LOOP = """
 
 def _arguments(lanes: int, units: int, rows: int) -> dict[int, int]:
     fields = {0x280: (lanes, 4), 0x250: (units, 8), 0x260: (rows, 4)}
-    return {offset + k: (value >> (8 * k)) & 0xFF for offset, (value, size) in fields.items() for k in range(size)}
+    return {byte: value for offset, (number, size) in fields.items()
+            for byte, value in kernel_audit.parameter_bytes(offset, number, size).items()}
 
 
 @pytest.mark.parametrize(
