@@ -8,10 +8,10 @@
 // backward's tasks grouped into chunks as the rows are (shape only), each chunk's dweight / dbias into its double
 // partial, reduced in chunk order.
 // Backward: rows grouped into a fixed number of chunks (it depends on rows and cols only, never on the thread
-// count); each chunk adds its rows' dweight/dbias into its own double partial buffer, then the partials are
-// reduced in chunk order, parallel over columns: the same bits whatever the thread count. Long rows in fewer
-// chunks than column ranges (split_backward: a few rows, or cols > 2^18) run each row's column ranges in
-// parallel instead, so that they do not run on one thread.
+// count); each chunk adds its rows' dweight/dbias into its own partial buffer (double, or the compute type where a
+// chunk is one block of rows), then the partials are reduced in chunk order, in double, parallel over columns: the
+// same bits whatever the thread count. Long rows in fewer chunks than column ranges (split_backward: a few rows,
+// or cols > 2^18) run each row's column ranges in parallel instead, so that they do not run on one thread.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -485,38 +485,57 @@ void forward(const NormForwardParams& p) {
 
 namespace {
 
-// The chunks' double partials (chunks x cols each) summed in chunk order, in double, parallel over columns, into
-// the gradient of the parameters' dtype.
-void reduce_partials(const NormBackwardParams& p, const double* partial, int64_t chunks, void* dst) {
+// Columns per step of reduce_partials: a tile's double sums stay in L1 while the chunks are added into them.
+constexpr int64_t kReduceTileCols = 512;
+
+// The chunks' partials (chunks x cols of Q: double, or the row kernels' compute type where each chunk is one
+// block) summed in chunk order, in double, parallel over columns, into the gradients of the parameters' dtype.
+// Each sum starts as 0.0 + chunk 0, as the zeroed double partials did: the same bits (a -0 becomes +0).
+template <typename Q>
+void reduce_partials(const NormBackwardParams& p, const Q* dweight, const Q* dbias, int64_t chunks) {
   const int64_t cols = p.cols;
   at::parallel_for(0, cols, 4096, [&](int64_t begin, int64_t end) {
-    std::vector<double> sum(end - begin, 0.0);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const double* src = partial + c * cols;
-      for (int64_t j = begin; j < end; ++j) sum[j - begin] += src[j];
+    double sum[kReduceTileCols];
+    for (auto [partial, dst] : {std::pair{dweight, p.grad_weight}, std::pair{dbias, p.grad_bias}}) {
+      if (partial == nullptr) continue;
+      for (int64_t t0 = begin; t0 < end; t0 += kReduceTileCols) {
+        const int64_t n = std::min(kReduceTileCols, end - t0);
+        const Q* first = partial + t0;
+        for (int64_t j = 0; j < n; ++j) sum[j] = 0.0 + static_cast<double>(first[j]);
+        for (int64_t c = 1; c < chunks; ++c) {
+          const Q* src = partial + c * cols + t0;
+          for (int64_t j = 0; j < n; ++j) sum[j] += static_cast<double>(src[j]);
+        }
+        store_param(sum, dst, p.weight_type, t0, n);
+      }
     }
-    store_param(sum.data(), dst, p.weight_type, begin, end - begin);
   });
 }
 
-// The dweight / dbias partials of a backward: `chunks` rows of cols doubles each, zeroed (nullptr where that
-// gradient is not wanted); finish() sums them in chunk order into the gradients.
+// The dweight / dbias partials of a backward: `chunks` rows of cols Q each (nullptr where that gradient is not
+// wanted), zeroed only when asked (the row paths write each chunk's first terms); finish() sums them in chunk
+// order into the gradients.
+template <typename Q>
 struct ParameterPartials {
-  ScratchLease<double, kDweightSlot> dweight_scratch;
-  ScratchLease<double, kDbiasSlot> dbias_scratch;
-  double* dweight;
-  double* dbias;
+  ScratchLease<Q, kDweightSlot> dweight_scratch;
+  ScratchLease<Q, kDbiasSlot> dbias_scratch;
+  Q* dweight;
+  Q* dbias;
   int64_t chunks;
 
-  ParameterPartials(const NormBackwardParams& p, int64_t chunk_count)
-      : dweight(p.grad_weight != nullptr ? dweight_scratch.zeroed(chunk_count * p.cols) : nullptr),
-        dbias(p.grad_bias != nullptr ? dbias_scratch.zeroed(chunk_count * p.cols) : nullptr),
+  ParameterPartials(const NormBackwardParams& p, int64_t chunk_count, bool zeroed)
+      : dweight(p.grad_weight != nullptr ? get(dweight_scratch, chunk_count * p.cols, zeroed) : nullptr),
+        dbias(p.grad_bias != nullptr ? get(dbias_scratch, chunk_count * p.cols, zeroed) : nullptr),
         chunks(chunk_count) {}
 
-  void finish(const NormBackwardParams& p) const {
-    if (dweight != nullptr) reduce_partials(p, dweight, chunks, p.grad_weight);
-    if (dbias != nullptr) reduce_partials(p, dbias, chunks, p.grad_bias);
+  template <typename Lease>
+  static Q* get(Lease& lease, int64_t n, bool zeroed) {
+    return zeroed ? lease.zeroed(n) : lease.get(n);
   }
+  Q* dweight_of(int64_t chunk, int64_t cols) const { return dweight != nullptr ? dweight + chunk * cols : nullptr; }
+  Q* dbias_of(int64_t chunk, int64_t cols) const { return dbias != nullptr ? dbias + chunk * cols : nullptr; }
+
+  void finish(const NormBackwardParams& p) const { reduce_partials(p, dweight, dbias, chunks); }
 };
 
 // Channels-first rows: tasks of kColumnPixels pixels of one image, in at most kMaxChunks chunks of consecutive
@@ -530,15 +549,13 @@ void backward_columns_with(const NormBackwardParams& p, const RowKernels& k, con
   const int64_t tasks = p.rows / p.plane * blocks;
   const int64_t chunk_tasks = (tasks + kMaxChunks - 1) / kMaxChunks;
   const int64_t chunks = (tasks + chunk_tasks - 1) / chunk_tasks;
-  const ParameterPartials partials(p, chunks);
-  double* const dweight_partial = partials.dweight;
-  double* const dbias_partial = partials.dbias;
+  const ParameterPartials<double> partials(p, chunks, /*zeroed=*/true);  // the column kernels add into them
   at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     ScratchLease<double, kLaneSlot> lane_scratch;
     void* lanes = lane_scratch.get((cols * kColumnScratchBytes + 64) / static_cast<int64_t>(sizeof(double)) + 1);
     for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-      double* dweight = dweight_partial != nullptr ? dweight_partial + c * cols : nullptr;
-      double* dbias = dbias_partial != nullptr ? dbias_partial + c * cols : nullptr;
+      double* dweight = partials.dweight_of(c, cols);
+      double* dbias = partials.dbias_of(c, cols);
       for (int64_t t = c * chunk_tasks; t < std::min(tasks, (c + 1) * chunk_tasks); ++t) {
         const int64_t p0 = t % blocks * kColumnPixels;
         columns_fn(a, p.plane, t / blocks, p0, std::min(p.plane, p0 + kColumnPixels), lanes, dweight, dbias);
@@ -548,9 +565,21 @@ void backward_columns_with(const NormBackwardParams& p, const RowKernels& k, con
   partials.finish(p);
 }
 
+// Columns [c0, c1) of a block partial widened into a chunk's double partial: stored for the chunk's first
+// block (its partial holds nothing yet), added for the others.
+template <typename P>
+void widen_into(double* chunk_partial, const P* block, int64_t c0, int64_t c1, bool first) {
+  if (first) {
+    for (int64_t j = c0; j < c1; ++j) chunk_partial[j] = static_cast<double>(block[j]);
+  } else {
+    for (int64_t j = c0; j < c1; ++j) chunk_partial[j] += static_cast<double>(block[j]);
+  }
+}
+
 // dweight / dbias: each block of <= kBlockRows rows adds into a block partial of P (the row kernels' compute
 // type), which is added into its chunk's double partial row; then the chunks are summed in order, in double,
-// parallel over columns.
+// parallel over columns. Where every chunk is one block, the chunks' P partials are the block partials (no
+// double partial: 0.0 + the block in double is the block).
 template <typename P>
 void backward_with(const NormBackwardParams& p, const RowKernels& k, const BackwardRows& a) {
   const int64_t rows = p.rows;
@@ -560,38 +589,12 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
       std::clamp<int64_t>(std::min({kMaxChunks, rows / kMinChunkRows, kMaxPartialElems / cols}), 1, rows);
   const int64_t chunk_rows = (rows + chunks_wanted - 1) / chunks_wanted;
   const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
-  const ParameterPartials partials(p, chunks);
-  double* const dweight_partial = partials.dweight;
-  double* const dbias_partial = partials.dbias;
-
-  // Columns [c0, c1) of the block partials (dweight, dbias) added into the chunk's double partials and zeroed.
-  auto move_into_chunk = [&](int64_t chunk, P* bw, P* bb, int64_t c0, int64_t c1) {
-    for (auto [block, chunk_partial] : {std::pair{bw, dweight_partial}, std::pair{bb, dbias_partial}}) {
-      if (block == nullptr) continue;
-      double* dst = chunk_partial + chunk * cols;
-      for (int64_t j = c0; j < c1; ++j) {
-        dst[j] += static_cast<double>(block[j]);
-        block[j] = P(0);
-      }
-    }
-  };
-  // Rows [begin, end) of one chunk, in blocks: add_block(block_begin, block_end, dweight, dbias) adds a block's
-  // terms into the (zeroed) block partials given, which then go into the chunk's double partials.
-  auto run_chunk = [&](int64_t chunk, int64_t begin, int64_t end, auto&& add_block) {
-    ScratchLease<P, kBlockDweightSlot> block_dweight;
-    ScratchLease<P, kBlockDbiasSlot> block_dbias;
-    P* bw = dweight_partial != nullptr ? block_dweight.zeroed(cols) : nullptr;
-    P* bb = dbias_partial != nullptr ? block_dbias.zeroed(cols) : nullptr;
-    for (int64_t r0 = begin; r0 < end; r0 += kBlockRows) {
-      add_block(r0, std::min(end, r0 + kBlockRows), bw, bb);
-      move_into_chunk(chunk, bw, bb, 0, cols);
-    }
-  };
 
   if (split_backward(rows, cols, chunks)) {
     // Each row's column ranges in parallel, two parallel passes for all rows: the three sums of every (row,
     // range), added per row in a fixed order; then dx and the dweight / dbias terms, parallel over ranges,
     // each range taking the rows in order into its columns of the block partial and the chunk's double partial.
+    const ParameterPartials<double> partials(p, chunks, /*zeroed=*/false);
     const BackwardSegmentSumsFn sums_fn = k.backward_segment_sums(saved, grad);
     const BackwardSegmentApplyFn apply_fn = k.backward_segment_apply(saved, grad);
     const int64_t ranges = (cols + kSegmentCols - 1) / kSegmentCols;
@@ -608,24 +611,58 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
     }
     ScratchLease<P, kBlockDweightSlot> block_dweight;
     ScratchLease<P, kBlockDbiasSlot> block_dbias;
-    P* bw = dweight_partial != nullptr ? block_dweight.zeroed(cols) : nullptr;
-    P* bb = dbias_partial != nullptr ? block_dbias.zeroed(cols) : nullptr;
+    P* bw = partials.dweight != nullptr ? block_dweight.zeroed(cols) : nullptr;
+    P* bb = partials.dbias != nullptr ? block_dbias.zeroed(cols) : nullptr;
     for_each_range(cols, [&](int64_t, int64_t c0, int64_t c1) {
       for (int64_t row = 0; row < rows; ++row) {
         apply_fn(a, row, c0, c1, row_sums[row].data(), bw, bb);
-        move_into_chunk(row / chunk_rows, bw, bb, c0, c1);
+        const int64_t chunk = row / chunk_rows;
+        for (auto [block, chunk_partial] :
+             {std::pair{bw, partials.dweight_of(chunk, cols)}, std::pair{bb, partials.dbias_of(chunk, cols)}}) {
+          if (block == nullptr) continue;
+          widen_into(chunk_partial, block, c0, c1, row % chunk_rows == 0);
+          std::fill(block + c0, block + c1, P(0));  // apply_fn adds into it
+        }
       }
     });
-  } else {
-    const BackwardRowsFn rows_fn = k.backward_rows(saved, grad);
-    at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-      for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-        run_chunk(c, c * chunk_rows, std::min(rows, (c + 1) * chunk_rows),
-                  [&](int64_t r0, int64_t r1, P* dweight, P* dbias) { rows_fn(a, r0, r1, dweight, dbias); });
-      }
-    });
+    partials.finish(p);
+    return;
   }
 
+  const BackwardRowsFn rows_fn = k.backward_rows(saved, grad);
+  if (chunk_rows <= kBlockRows) {
+    const ParameterPartials<P> partials(p, chunks, /*zeroed=*/false);
+    at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+      for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+        P* dweight = partials.dweight_of(c, cols);
+        P* dbias = partials.dbias_of(c, cols);
+        if (dweight != nullptr) std::fill(dweight, dweight + cols, P(0));  // the row kernels add into them
+        if (dbias != nullptr) std::fill(dbias, dbias + cols, P(0));
+        rows_fn(a, c * chunk_rows, std::min(rows, (c + 1) * chunk_rows), dweight, dbias);
+      }
+    });
+    partials.finish(p);
+    return;
+  }
+
+  const ParameterPartials<double> partials(p, chunks, /*zeroed=*/false);
+  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    ScratchLease<P, kBlockDweightSlot> block_dweight;
+    ScratchLease<P, kBlockDbiasSlot> block_dbias;
+    P* bw = partials.dweight != nullptr ? block_dweight.get(cols) : nullptr;
+    P* bb = partials.dbias != nullptr ? block_dbias.get(cols) : nullptr;
+    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+      const int64_t end = std::min(rows, (c + 1) * chunk_rows);
+      for (int64_t r0 = c * chunk_rows; r0 < end; r0 += kBlockRows) {
+        if (bw != nullptr) std::fill(bw, bw + cols, P(0));  // the row kernels add into them
+        if (bb != nullptr) std::fill(bb, bb + cols, P(0));
+        rows_fn(a, r0, std::min(end, r0 + kBlockRows), bw, bb);
+        const bool first = r0 == c * chunk_rows;
+        if (bw != nullptr) widen_into(partials.dweight_of(c, cols), bw, 0, cols, first);
+        if (bb != nullptr) widen_into(partials.dbias_of(c, cols), bb, 0, cols, first);
+      }
+    }
+  });
   partials.finish(p);
 }
 
