@@ -576,10 +576,10 @@ void widen_into(double* chunk_partial, const P* block, int64_t c0, int64_t c1, b
   }
 }
 
-// dweight / dbias: each block of <= kBlockRows rows adds into a block partial of P (the row kernels' compute
-// type), which is added into its chunk's double partial row; then the chunks are summed in order, in double,
-// parallel over columns. Where every chunk is one block, the chunks' P partials are the block partials (no
-// double partial: 0.0 + the block in double is the block).
+// dweight / dbias: each block of <= kBlockRows rows sums its terms into a block partial of P (the row kernels'
+// compute type; they overwrite it, so nothing is zeroed), which is added into its chunk's double partial row; then
+// the chunks are summed in order, in double, parallel over columns. Where every chunk is one block, the chunks' P
+// partials are the block partials (no double partial: 0.0 + the block in double is the block).
 template <typename P>
 void backward_with(const NormBackwardParams& p, const RowKernels& k, const BackwardRows& a) {
   const int64_t rows = p.rows;
@@ -634,11 +634,8 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
     const ParameterPartials<P> partials(p, chunks, /*zeroed=*/false);
     at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
       for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-        P* dweight = partials.dweight_of(c, cols);
-        P* dbias = partials.dbias_of(c, cols);
-        if (dweight != nullptr) std::fill(dweight, dweight + cols, P(0));  // the row kernels add into them
-        if (dbias != nullptr) std::fill(dbias, dbias + cols, P(0));
-        rows_fn(a, c * chunk_rows, std::min(rows, (c + 1) * chunk_rows), dweight, dbias);
+        rows_fn(a, c * chunk_rows, std::min(rows, (c + 1) * chunk_rows), partials.dweight_of(c, cols),
+                partials.dbias_of(c, cols), /*overwrite=*/true);
       }
     });
     partials.finish(p);
@@ -654,9 +651,7 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
     for (int64_t c = chunk_begin; c < chunk_end; ++c) {
       const int64_t end = std::min(rows, (c + 1) * chunk_rows);
       for (int64_t r0 = c * chunk_rows; r0 < end; r0 += kBlockRows) {
-        if (bw != nullptr) std::fill(bw, bw + cols, P(0));  // the row kernels add into them
-        if (bb != nullptr) std::fill(bb, bb + cols, P(0));
-        rows_fn(a, r0, std::min(end, r0 + kBlockRows), bw, bb);
+        rows_fn(a, r0, std::min(end, r0 + kBlockRows), bw, bb, /*overwrite=*/true);
         const bool first = r0 == c * chunk_rows;
         if (bw != nullptr) widen_into(partials.dweight_of(c, cols), bw, 0, cols, first);
         if (bb != nullptr) widen_into(partials.dbias_of(c, cols), bb, 0, cols, first);

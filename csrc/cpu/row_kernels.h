@@ -61,7 +61,8 @@ struct ForwardRows {
 using ForwardRowsFn = void (*)(const ForwardRows& a, int64_t begin, int64_t end);
 
 // Backward over rows [begin, end): grad_input rows, and the rows' dweight / dbias contributions added into
-// the partial sums given (nullptr: not wanted). The row math, the partial sums and weight/bias are float, or
+// the partial sums given (nullptr: not wanted), or with overwrite stored into them (their contents unset: no
+// zeroing pass; the same bits as adding to zeros). The row math, the partial sums and weight/bias are float, or
 // double when backward_computes_in_float says no (float64 data; rows of a few vectors, whose gradient
 // cancels too much for float: for N = 1 it is proportional to 1 - xhat^2).
 constexpr int64_t kFloatBackwardMinCols = 64;
@@ -87,7 +88,8 @@ struct BackwardRows {
   bool saved_is_output;
   bool stats_double;
 };
-using BackwardRowsFn = void (*)(const BackwardRows& a, int64_t begin, int64_t end, void* dweight, void* dbias);
+using BackwardRowsFn = void (*)(const BackwardRows& a, int64_t begin, int64_t end, void* dweight, void* dbias,
+                                bool overwrite);
 
 // One long row split into column ranges [c0, c1) across threads; the orchestration adds the ranges' sums in
 // order. Forward: sums about center over src elements [begin, end): {sum(x - c), sum((x - c)^2)}; then

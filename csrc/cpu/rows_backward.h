@@ -19,6 +19,16 @@ inline void add_into(C* dst, int64_t count, Vec<C> v) {
   store_at<C>(dst, 0, count, load_at<C>(dst, 0, count) + v);
 }
 
+// dst[0, count) += v, or = v with overwrite (dst unset).
+template <class C>
+inline void add_or_store(C* dst, int64_t count, Vec<C> v, bool overwrite) {
+  if (overwrite) {
+    store_at<C>(dst, 0, count, v);
+  } else {
+    add_into<C>(dst, count, v);
+  }
+}
+
 // One row's backward over a range of its columns [c0, c1), so that the orchestration can also split a long
 // row across threads (the sums of the ranges are then added in order). C is the compute type: float, or
 // double for float64 rows and for rows of a few vectors, whose gradient (for N = 1 it is proportional to
@@ -192,30 +202,32 @@ inline void rows_step(int64_t j, int64_t cnt, const C* weight, const C* bias, co
 }
 
 // dx of R rows over columns [c0, c1), and dweight / dbias += the sum of their terms (one read-modify-write
-// per vector for the R rows).
+// per vector for the R rows), or = with overwrite: the same bits as adding them to zeros (the sums start at +0,
+// so none is -0).
 template <int R, bool kSavedOut, bool kResidual, class S, class G, class C>
 void rows_block(int64_t c0, int64_t c1, const C* weight, const C* bias, const S* const* saved, const G* const* dy,
-                const S* const* residual, S* const* dx, const GroupRowConstants<C>* k, C* dweight, C* dbias) {
+                const S* const* residual, S* const* dx, const GroupRowConstants<C>* k, C* dweight, C* dbias,
+                bool overwrite) {
   constexpr int64_t L = kLanes<C>;
   auto step = [&](int64_t j, int64_t cnt) {
     Vec<C> dw = Vec<C>{}, db = Vec<C>{};
     rows_step<R, kSavedOut, kResidual>(j, cnt, weight, bias, saved, dy, residual, dx, k, dw, db);
-    if (dweight != nullptr) add_into<C>(dweight + j, cnt, dw);
-    if (dbias != nullptr) add_into<C>(dbias + j, cnt, db);
+    if (dweight != nullptr) add_or_store<C>(dweight + j, cnt, dw, overwrite);
+    if (dbias != nullptr) add_or_store<C>(dbias + j, cnt, db, overwrite);
   };
   int64_t j = c0;
   for (; j + L <= c1; j += L) step(j, L);
   if (j < c1) step(j, c1 - j);
 }
 
-// dx of rows [first, first + count), and dweight / dbias += their terms: column block by column block (the
-// block of the partial sums stays in L1), rows two at a time within a block (four were slower: more streams
-// of rows a power of two apart meet in one L1 set).
+// dx of rows [first, first + count), and dweight / dbias += their terms (= for the first two rows with
+// overwrite): column block by column block (the block of the partial sums stays in L1), rows two at a time
+// within a block (four were slower: more streams of rows a power of two apart meet in one L1 set).
 // Per row, with s = rstd: xhat = (x - center) * s - delta * s (memory-efficient: the recovered xhat, scale 1),
 // and in float dx = g * s - mean_g * s - xhat * (mean_gx * s): two FMAs after g (in double, as BackwardRow).
 template <bool kSavedOut, bool kResidual, class S, class G, class C>
 void apply_group_as(const BackwardRows& a, int64_t first, int64_t count, const C* weight, const C* bias,
-                    const BackwardCoefficients* coefficients, C* dweight, C* dbias) {
+                    const BackwardCoefficients* coefficients, C* dweight, C* dbias, bool overwrite) {
   const int64_t n = a.cols;
   const S* saved[kRowGroup];
   const G* dy[kRowGroup];
@@ -239,22 +251,22 @@ void apply_group_as(const BackwardRows& a, int64_t first, int64_t count, const C
     const int64_t c1 = min64(n, c0 + kColumnBlock);
     int64_t i = 0;
     for (; i + 2 <= count; i += 2) {
-      rows_block<2, kSavedOut, kResidual>(c0, c1, weight, bias, saved + i, dy + i, residual + i, dx + i, k + i,
-                                          dweight, dbias);
+      rows_block<2, kSavedOut, kResidual>(c0, c1, weight, bias, saved + i, dy + i, residual + i, dx + i, k + i, dweight,
+                                          dbias, overwrite && i == 0);
     }
     if (i < count) {
-      rows_block<1, kSavedOut, kResidual>(c0, c1, weight, bias, saved + i, dy + i, residual + i, dx + i, k + i,
-                                          dweight, dbias);
+      rows_block<1, kSavedOut, kResidual>(c0, c1, weight, bias, saved + i, dy + i, residual + i, dx + i, k + i, dweight,
+                                          dbias, overwrite && i == 0);
     }
   }
 }
 
 template <class S, class G, class C>
 void apply_group(const BackwardRows& a, int64_t first, int64_t count, const C* weight, const C* bias,
-                 const BackwardCoefficients* coefficients, C* dweight, C* dbias) {
+                 const BackwardCoefficients* coefficients, C* dweight, C* dbias, bool overwrite) {
   auto run = [&](auto saved_out_tag, auto residual_tag) {
     apply_group_as<decltype(saved_out_tag)::value, decltype(residual_tag)::value, S, G, C>(
-        a, first, count, weight, bias, coefficients, dweight, dbias);
+        a, first, count, weight, bias, coefficients, dweight, dbias, overwrite);
   };
   const bool residual = a.grad_residual_out != nullptr;
   if (a.saved_is_output) {
@@ -363,7 +375,7 @@ void group_sums(const BackwardRows& a, int64_t first, int64_t count, const C* we
 }
 
 template <class S, class G, class C>
-void backward_rows_as(const BackwardRows& a, int64_t begin, int64_t end, C* dweight, C* dbias) {
+void backward_rows_as(const BackwardRows& a, int64_t begin, int64_t end, C* dweight, C* dbias, bool overwrite) {
   const C* weight = param_as<C>(a, false);
   const C* bias = param_as<C>(a, true);
   const int64_t n = a.cols;
@@ -377,18 +389,19 @@ void backward_rows_as(const BackwardRows& a, int64_t begin, int64_t end, C* dwei
     for (int64_t i = 0; i < count; ++i) {
       coefficients[i] = backward_coefficients(a, BackwardRow<S, G, C>::stat(a.rstd, a.stats_double, first + i), sums[i]);
     }
-    apply_group<S, G, C>(a, first, count, weight, bias, coefficients, dweight, dbias);
+    apply_group<S, G, C>(a, first, count, weight, bias, coefficients, dweight, dbias, overwrite && first == begin);
   }
 }
 
 template <class S, class G>
-void backward_rows(const BackwardRows& a, int64_t begin, int64_t end, void* dweight, void* dbias) {
+void backward_rows(const BackwardRows& a, int64_t begin, int64_t end, void* dweight, void* dbias, bool overwrite) {
   if constexpr (kFloatCapable<S, G>) {
     if (use_float<S, G>(a.cols)) {
-      return backward_rows_as<S, G, float>(a, begin, end, static_cast<float*>(dweight), static_cast<float*>(dbias));
+      return backward_rows_as<S, G, float>(a, begin, end, static_cast<float*>(dweight), static_cast<float*>(dbias),
+                                           overwrite);
     }
   }
-  backward_rows_as<S, G, double>(a, begin, end, static_cast<double*>(dweight), static_cast<double*>(dbias));
+  backward_rows_as<S, G, double>(a, begin, end, static_cast<double*>(dweight), static_cast<double*>(dbias), overwrite);
 }
 
 }  // namespace
