@@ -489,23 +489,20 @@ namespace {
 constexpr int64_t kReduceTileCols = 512;
 
 // The chunks' partials (chunks x cols of Q: double, or the row kernels' compute type where each chunk is one
-// block) summed in chunk order, in double, parallel over columns, into the gradients of the parameters' dtype.
-// Each sum starts as 0.0 + chunk 0, as the zeroed double partials did: the same bits (a -0 becomes +0).
+// block) summed in chunk order, in double (the ISA's sum_chunks), parallel over columns, into the gradients of
+// the parameters' dtype. Each sum starts as 0.0 + chunk 0, as the zeroed double partials did: the same bits.
 template <typename Q>
-void reduce_partials(const NormBackwardParams& p, const Q* dweight, const Q* dbias, int64_t chunks) {
+void reduce_partials(const NormBackwardParams& p, const RowKernels& k, const Q* dweight, const Q* dbias,
+                     int64_t chunks) {
   const int64_t cols = p.cols;
+  const SumChunksFn sum_fn = k.sum_chunks(std::is_same_v<Q, double> ? Dtype::f64 : Dtype::f32);
   at::parallel_for(0, cols, 4096, [&](int64_t begin, int64_t end) {
     double sum[kReduceTileCols];
     for (auto [partial, dst] : {std::pair{dweight, p.grad_weight}, std::pair{dbias, p.grad_bias}}) {
       if (partial == nullptr) continue;
       for (int64_t t0 = begin; t0 < end; t0 += kReduceTileCols) {
         const int64_t n = std::min(kReduceTileCols, end - t0);
-        const Q* first = partial + t0;
-        for (int64_t j = 0; j < n; ++j) sum[j] = 0.0 + static_cast<double>(first[j]);
-        for (int64_t c = 1; c < chunks; ++c) {
-          const Q* src = partial + c * cols + t0;
-          for (int64_t j = 0; j < n; ++j) sum[j] += static_cast<double>(src[j]);
-        }
+        sum_fn(partial + t0, chunks, cols, n, sum);
         store_param(sum, dst, p.weight_type, t0, n);
       }
     }
@@ -535,7 +532,7 @@ struct ParameterPartials {
   Q* dweight_of(int64_t chunk, int64_t cols) const { return dweight != nullptr ? dweight + chunk * cols : nullptr; }
   Q* dbias_of(int64_t chunk, int64_t cols) const { return dbias != nullptr ? dbias + chunk * cols : nullptr; }
 
-  void finish(const NormBackwardParams& p) const { reduce_partials(p, dweight, dbias, chunks); }
+  void finish(const NormBackwardParams& p, const RowKernels& k) const { reduce_partials(p, k, dweight, dbias, chunks); }
 };
 
 // Channels-first rows: tasks of kColumnPixels pixels of one image, in at most kMaxChunks chunks of consecutive
@@ -562,7 +559,7 @@ void backward_columns_with(const NormBackwardParams& p, const RowKernels& k, con
       }
     }
   });
-  partials.finish(p);
+  partials.finish(p, k);
 }
 
 // Columns [c0, c1) of a block partial widened into a chunk's double partial: stored for the chunk's first
@@ -625,7 +622,7 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
         }
       }
     });
-    partials.finish(p);
+    partials.finish(p, k);
     return;
   }
 
@@ -638,7 +635,7 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
                 partials.dbias_of(c, cols), /*overwrite=*/true);
       }
     });
-    partials.finish(p);
+    partials.finish(p, k);
     return;
   }
 
@@ -658,7 +655,7 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
       }
     }
   });
-  partials.finish(p);
+  partials.finish(p, k);
 }
 
 }  // namespace

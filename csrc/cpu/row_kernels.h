@@ -115,6 +115,10 @@ using ForwardColumnsFn = void (*)(const ForwardRows& a, int64_t plane, int64_t i
 using BackwardColumnsFn = void (*)(const BackwardRows& a, int64_t plane, int64_t image, int64_t p0, int64_t p1,
                                    void* lane_scratch, double* dweight, double* dbias);
 
+// The backward's dweight / dbias reduction: columns [0, count) of `chunks` partials (float or double, stride
+// elements apart) summed in chunk order into sum, in double: 0.0 + chunk 0 + chunk 1 + ... (a -0 becomes +0).
+using SumChunksFn = void (*)(const void* partials, int64_t chunks, int64_t stride, int64_t count, double* sum);
+
 // One instruction set's kernels. Lookups return nullptr for dtype pairs no kernel exists for.
 struct RowKernels {
   const char* isa;
@@ -127,6 +131,7 @@ struct RowKernels {
   BackwardSegmentApplyFn (*backward_segment_apply)(Dtype saved, Dtype grad_out);
   ForwardColumnsFn (*forward_columns)(Dtype src, Dtype out);
   BackwardColumnsFn (*backward_columns)(Dtype saved, Dtype grad_out);
+  SumChunksFn (*sum_chunks)(Dtype partial);  // f32 and f64 only
   // Round float -> bfloat16 with AVX512_BF16 (on) or integer arithmetic (off, the default): the same bits. Only
   // the AVX-512 copy has the instruction; the others ignore it. Call it only on a CPU that has it.
   void (*set_native_bf16)(bool on);

@@ -126,6 +126,27 @@ void backward_segment_apply(const BackwardRows& a, int64_t row, int64_t c0, int6
   run(double{});
 }
 
+// ---- the backward's dweight / dbias partials -----------------------------------------------------------------
+// Columns [0, count) of `chunks` partials of T, stride elements apart, summed into sum in chunk order, in double:
+// sum = 0.0 + chunk 0, then += each next chunk (norm_kernel.cpp, reduce_partials). Column by column, so a
+// vector of columns gives each column's sum the same bits as one at a time.
+template <class T>
+void sum_chunks(const void* partials, int64_t chunks, int64_t stride, int64_t count, double* sum) {
+  constexpr int64_t L = kLanes<double>;
+  const T* first = static_cast<const T*>(partials);
+  for (int64_t j = 0; j < count; j += L) {
+    const int64_t n = min64(L, count - j);
+    store_at<double>(sum, j, n, Vec<double>{} + load_at<double>(first, j, n));
+  }
+  for (int64_t c = 1; c < chunks; ++c) {
+    const T* src = first + c * stride;
+    for (int64_t j = 0; j < count; j += L) {
+      const int64_t n = min64(L, count - j);
+      store_at<double>(sum, j, n, load_at<double>(sum, j, n) + load_at<double>(src, j, n));
+    }
+  }
+}
+
 // ---- lookup tables over the dtype enum (f32, f64, bf16, f16) ------------------------------------------------
 template <int I>
 using TypeAt = std::tuple_element_t<I, std::tuple<float, double, bf16, f16>>;
@@ -222,6 +243,7 @@ constexpr auto kForwardColumnsTable = make_pair_table<ForwardColumnsEntry>(std::
 constexpr auto kBackwardColumnsTable = make_pair_table<BackwardColumnsEntry>(std::make_index_sequence<16>{});
 constexpr Array<SegmentSumsFn, 4> kSegmentSumsTable{&segment_sums<float>, &segment_sums<double>,
                                                      &segment_sums<bf16>, &segment_sums<f16>};
+constexpr Array<SumChunksFn, 4> kSumChunksTable{&sum_chunks<float>, &sum_chunks<double>, nullptr, nullptr};
 
 int pair_index(Dtype a, Dtype b) { return static_cast<int>(a) * 4 + static_cast<int>(b); }
 
@@ -242,6 +264,7 @@ ForwardColumnsFn lookup_forward_columns(Dtype src, Dtype out) { return kForwardC
 BackwardColumnsFn lookup_backward_columns(Dtype saved, Dtype grad_out) {
   return kBackwardColumnsTable[pair_index(saved, grad_out)];
 }
+SumChunksFn lookup_sum_chunks(Dtype partial) { return kSumChunksTable[static_cast<int>(partial)]; }
 
 void set_native_bf16(bool on) { native_bf16 = on && kFloatLanes == 16; }
 
@@ -263,6 +286,7 @@ const RowKernels& LNX_ENTRY() {
                                   &LNX_ISA_NS::lookup_backward_segment_apply,
                                   &LNX_ISA_NS::lookup_forward_columns,
                                   &LNX_ISA_NS::lookup_backward_columns,
+                                  &LNX_ISA_NS::lookup_sum_chunks,
                                   &LNX_ISA_NS::set_native_bf16};
   return kernels;
 }
