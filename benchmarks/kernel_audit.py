@@ -92,7 +92,8 @@ QUANT_VARIANT = {"scale": (8, 8, 0), "scale_ub": (16, 8, 0), "code": (32, 1, 0),
 # The integer fields of ForwardArgs<float> / BackwardArgs<float> that the launcher sets from the plan (offset, bytes),
 # and the launch's block size in constant bank 0 (blockDim.x): with them (and the thread THREAD) the audit follows a
 # thread's index arithmetic to its branches (which of its packs hold values of the row).
-FORWARD_ARG_FIELDS = {"rows": (64, 8), "cols": (72, 8), "units": (80, 8), "lanes": (112, 4), "rows_per_block": (116, 4)}
+FORWARD_ARG_FIELDS = {"rows": (64, 8), "cols": (72, 8), "units": (80, 8), "weight_offset": (104, 4),
+                      "cast_before_weight": (108, 1), "lanes": (112, 4), "rows_per_block": (116, 4)}
 BACKWARD_ARG_FIELDS = {"rows": (80, 8), "cols": (88, 8), "units": (96, 8), "lanes": (120, 4),
                        "rows_per_block": (124, 4)}
 BLOCK_DIM_X_OFFSET = 0x0
@@ -532,11 +533,12 @@ class Row:
 
 
 def launch_arguments(plan: dict, rows: int, cols: int) -> dict[str, int]:
-    """The integer arguments the launcher sets from the plan (norm_kernels.cuh; the long backward's rows per block is
-    its group of rows) and the block size: what analyze_row_path's thread takes its branches by."""
+    """The arguments the launcher sets from the plan (norm_kernels.cuh; the long backward's rows per block is its
+    group of rows) and the block size: what analyze_row_path's thread takes its branches by; the audited call's
+    weight_offset (0.0: its bits) and cast_before_weight (false), as nn.LayerNorm and nn.RMSNorm pass them."""
     return {"rows": rows, "cols": cols, "units": -(-cols // plan["vec"]), "lanes": plan["lanes"],
             "rows_per_block": plan["group_rows"] if plan.get("sums_kernel") else plan["rows_per_block"],
-            "threads": plan["threads"]}
+            "threads": plan["threads"], "weight_offset": 0, "cast_before_weight": 0}
 
 
 def case_rows(dtype: str, n: int) -> int:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import bisect
 import glob
+import math
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from collections.abc import Callable
@@ -352,6 +354,14 @@ _REG_OPERAND = re.compile(r"(U?R(?:\d+|Z))(?:\.reuse)?")
 _COMPARE = {"EQ": lambda a, b: a == b, "NE": lambda a, b: a != b, "LT": lambda a, b: a < b,
             "LE": lambda a, b: a <= b, "GT": lambda a, b: a > b, "GE": lambda a, b: a >= b}
 _BOOL = {"AND": lambda a, b: a and b, "OR": lambda a, b: a or b, "XOR": lambda a, b: a != b}
+# FSETP's comparisons: ordered (false where either side is NaN) and unordered (the U forms: true there).
+_FLOAT_COMPARE = {**{name: (lambda compare: lambda a, b: not (math.isnan(a) or math.isnan(b)) and compare(a, b))(f)
+                     for name, f in _COMPARE.items()},
+                  **{name + "U": (lambda compare: lambda a, b: math.isnan(a) or math.isnan(b) or compare(a, b))(f)
+                     for name, f in _COMPARE.items()},
+                  "NUM": lambda a, b: not (math.isnan(a) or math.isnan(b)),
+                  "NAN": lambda a, b: math.isnan(a) or math.isnan(b)}
+_FLOAT_LITERAL = re.compile(r"[-+]?(\d+(\.\d*)?(e[+-]?\d+)?|inf|nan)", re.IGNORECASE)
 # Instructions that write predicates only (their register operands are read).
 _PREDICATE_SETTERS = ("ISETP", "UISETP", "FSETP", "DSETP", "HSETP2", "FCHK", "PLOP3", "UPLOP3")
 
@@ -417,6 +427,17 @@ def _value(operand: str, state: dict[str, Known], params: dict[int, int], size: 
     if re.fullmatch(r"-?0x[0-9a-f]+", operand):
         return _const(int(operand, 16))
     return _UNKNOWN  # negated or absolute registers, floats, addresses: not followed
+
+
+def _float_operand(operand: str, state: dict[str, Known], params: dict[int, int]) -> float | None:
+    """A float32 operand's value where all its bits are known: a register, a constant, or a float literal."""
+    operand = operand.strip()
+    if _FLOAT_LITERAL.fullmatch(operand):
+        return struct.unpack("<f", struct.pack("<f", float(operand)))[0]
+    if operand[:1] in "-|~":
+        return None
+    bits = _full(_value(operand, state, params))
+    return None if bits is None else struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
 
 
 def _written_width(instruction: Instruction) -> int:
@@ -692,6 +713,15 @@ def _evaluate(instruction: Instruction, state: dict[str, Known], params: dict[in
             elif extended:
                 result = (x != y and result) or (x == y and bool(chain))
             out[dest] = _const(int(combine(result, bool(c))), 1)
+    elif op == "FSETP" and mods and mods[0] in _FLOAT_COMPARE and dest in out:
+        # A float test of known bits (the audited call's weight_offset): plain registers, constants and literals
+        # only (a negated or absolute operand stays unknown).
+        combine = next((_BOOL[m] for m in mods if m in _BOOL), None)
+        a, b, c = _float_operand(ops[2], state, params), _float_operand(ops[3], state, params), _full(v(4), 1)
+        if None not in (a, b, c) and combine is not None:
+            if "FTZ" in mods:
+                a, b = (0.0 if abs(x) < 2.0 ** -126 else x for x in (a, b))
+            out[dest] = _const(int(combine(_FLOAT_COMPARE[mods[0]](a, b), bool(c))), 1)
     elif op in ("LOP3", "ULOP3") and "LUT" in mods:
         predicate_out = _PRED_OPERAND.fullmatch(ops[0].strip()) is not None
         k = 2 if predicate_out else 1
@@ -813,7 +843,7 @@ def reaching_parameters(blocks: list[Block], successors: list[list[int]]) -> Cal
                         stack.append((p, len(blocks[p].instructions)))
         return hits
 
-    def parameters(block: int, index: int, depth: int = 6) -> set[int]:
+    def parameters(block: int, index: int, depth: int = 16) -> set[int]:
         found: set[int] = set()
         done: set[tuple[int, int, int]] = set()
 

@@ -240,6 +240,32 @@ def test_thread_integer_arithmetic(line, state, expected):
     assert {name: written.get(name) for name in expected} == {name: (bits[name], v) for name, v in expected.items()}
 
 
+WEIGHT_OFFSET = 0x278  # ForwardArgs.weight_offset (float) on sm_90, where the forward's store loop tests it for 0
+
+
+@pytest.mark.parametrize(
+    "line, offset_bits, state, expected",
+    [
+        ("FSETP.NEU.AND P2, PT, RZ, c[0x0][0x278], PT", 0x00000000, {}, 0),  # nn.RMSNorm's 0: no add
+        ("FSETP.NEU.AND P2, PT, RZ, c[0x0][0x278], PT", 0x3F800000, {}, 1),  # Gemma's 1.0
+        ("FSETP.NEU.AND P2, PT, RZ, c[0x0][0x278], PT", 0x80000000, {}, 0),  # -0 == 0
+        ("FSETP.NEU.AND P2, PT, RZ, c[0x0][0x278], PT", 0x7FC00000, {}, 1),  # NaN: unordered, so not equal
+        ("FSETP.NE.AND P2, PT, RZ, c[0x0][0x278], PT", 0x7FC00000, {}, 0),  # ordered: false on NaN
+        ("FSETP.GTU.AND P2, PT, R6, 3.40282346638528859812e+38, PT", None, {"R6": 0x7F800000}, 1),  # inf > max
+        ("FSETP.GEU.AND P2, PT, R6, RZ, PT", None, {"R6": 0xBF800000}, 0),  # -1 >= 0
+        ("FSETP.NEU.AND P2, PT, -R6, RZ, PT", None, {"R6": 0}, None),  # a negated operand: not followed
+    ],
+)
+def test_float_compares_of_known_bits(line, offset_bits, state, expected):
+    """The store loop's `weight_offset == 0` (kPlain, once per row) is a float test: decided from the audited call's
+    0.0 as the integer tests are, so that the path does not run both sides' stores."""
+    (instruction,) = _function(f"0x00 {line}").instructions
+    params = {} if offset_bits is None else kernel_audit.parameter_bytes(WEIGHT_OFFSET, offset_bits, 4)
+    known = {name: (0xFFFFFFFF, value) for name, value in state.items()}
+    written = sass._evaluate(instruction, known, params)
+    assert written["P2"] == ((0, 0) if expected is None else (1, expected))
+
+
 def test_reaching_definitions_follow_the_graph():
     """The address of the load at 0x40 comes from the weight pointer (0x220) defined before the branch; the
     nearest definition in address order (0x20, the input's: what the audit's earlier backward search in address
