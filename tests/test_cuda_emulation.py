@@ -171,7 +171,7 @@ def _specs() -> list[Spec]:
     # (widened rows: single elements, one pack per lane, the long kernels beyond 512 elements)
     specs += [
         _spec(fn, (_rows(n),), (n,), dtype=dtype, wdtype=dtype, rdtype=rdtype, in_fp32=in_fp32)
-        for n in (8, 769, 4096, 20000)
+        for n in (8, 256, 769, 4096, 20000)
         for fn in ("add_layer_norm", "add_rms_norm")
         for dtype, rdtype, in_fp32 in (
             (BF16, BF16, False), (BF16, BF16, True), (F16, F32, False), (F32, F64, False), (BF16, F64, False)
@@ -376,12 +376,14 @@ def test_emulated_numerics_options(
 # ---- the inference ops (out=, in place) -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [7, 769, 4096, 20000, 40000])
+@pytest.mark.parametrize("n", [7, 256, 769, 4096, 20000, 40000])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
 def test_emulated_inference_ops(emulated: ModuleType, rms: bool, dtype: torch.dtype, n: int) -> None:
     """out= and the in-place fused add + norm on every thread mapping (the long paths stage h in shared memory or
-    read it again from residual_out, which in place is residual itself): the forward op's bits, no statistics."""
+    read it again from residual_out, which in place is residual itself): the forward op's bits, no statistics.
+    N = 256: full rows (every lane holds all its packs) in blocks of several rows, the last block part-filled: its
+    idle lanes work on the last row again and store nothing (in place, they would read what its lanes wrote)."""
     gen = torch.Generator().manual_seed(n)
     m = _rows(n)
     x = (torch.randn(m, n, generator=gen) * 2 + 0.3).to(dtype)

@@ -156,9 +156,13 @@ __device__ __forceinline__ AffinePack<Tw, kVec> load_affine(const ForwardArgs<A>
 // LayerNorm: xhat = fma(h - shift, rstd, -corr * rstd) (the product exact inside the fused multiply-add; corr * rstd,
 // small, rounded once per row) and y = fma(xhat, weight + weight_offset, bias), with load_affine's ones and -0 for an
 // absent weight or bias: two roundings after h - shift where the separate steps took four, and no branch.
-template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
+// A weight_offset of 0 is not added (a weight of -0 keeps its sign, as in ATen). kPlain: the caller has tested
+// that neither `cast` nor the offset applies (nn.LayerNorm, nn.RMSNorm), once per row rather than per pack.
+template <typename Tin, typename Tw, bool kRms, typename A, int kVec, bool kPlain = false>
 __device__ __forceinline__ void normalize_pack(const ForwardArgs<A>& a, const A (&h)[kVec], const RowStats<A>& st,
                                                const AffinePack<Tw, kVec>& wb, bool cast, A (&y)[kVec]) {
+  cast = cast && !kPlain;
+  const bool offset = !kPlain && a.weight_offset != A(0);
   if constexpr (kRms) {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) y[j] = h[j] * st.rstd;
@@ -167,8 +171,13 @@ __device__ __forceinline__ void normalize_pack(const ForwardArgs<A>& a, const A 
 #pragma unroll
         for (int j = 0; j < kVec; ++j) y[j] = to_acc<A>(from_acc<Tin>(y[j]));
       }
+      if (offset) {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) y[j] *= raw_element<A>(wb.weight, j) + a.weight_offset;
+        for (int j = 0; j < kVec; ++j) y[j] *= raw_element<A>(wb.weight, j) + a.weight_offset;
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) y[j] *= raw_element<A>(wb.weight, j);
+      }
     }
   } else {
     const A scaled_corr = st.corr * st.rstd;
@@ -178,28 +187,35 @@ __device__ __forceinline__ void normalize_pack(const ForwardArgs<A>& a, const A 
 #pragma unroll
       for (int j = 0; j < kVec; ++j) y[j] = to_acc<A>(from_acc<Tin>(y[j]));
     }
+    if (offset) {
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      y[j] = fused_multiply_add(y[j], raw_element<A>(wb.weight, j) + a.weight_offset, raw_element<A>(wb.bias, j));
+      for (int j = 0; j < kVec; ++j) {
+        y[j] = fused_multiply_add(y[j], raw_element<A>(wb.weight, j) + a.weight_offset, raw_element<A>(wb.bias, j));
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        y[j] = fused_multiply_add(y[j], raw_element<A>(wb.weight, j), raw_element<A>(wb.bias, j));
+      }
     }
   }
 }
 
 // out for one pack, at out's unit out_unit.
-template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
+template <typename Tin, typename Tw, bool kRms, typename A, int kVec, bool kPlain = false>
 __device__ __forceinline__ void normalize_store_at(const ForwardArgs<A>& a, int64_t out_unit, const A (&h)[kVec],
                                                    const RowStats<A>& st, const AffinePack<Tw, kVec>& wb, bool cast) {
   A y[kVec];
-  normalize_pack<Tin, Tw, kRms, A, kVec>(a, h, st, wb, cast, y);
+  normalize_pack<Tin, Tw, kRms, A, kVec, kPlain>(a, h, st, wb, cast, y);
   store_pack<Tin, A, kVec>(a.out, out_unit, y);
 }
 
 // out for one pack of a packed row.
-template <typename Tin, typename Tw, bool kRms, typename A, int kVec>
+template <typename Tin, typename Tw, bool kRms, typename A, int kVec, bool kPlain = false>
 __device__ __forceinline__ void normalize_store(const ForwardArgs<A>& a, int64_t row, int64_t col_unit,
                                                 const A (&h)[kVec], const RowStats<A>& st,
                                                 const AffinePack<Tw, kVec>& wb, bool cast) {
-  normalize_store_at<Tin, Tw, kRms, A, kVec>(a, row * a.units + col_unit, h, st, wb, cast);
+  normalize_store_at<Tin, Tw, kRms, A, kVec, kPlain>(a, row * a.units + col_unit, h, st, wb, cast);
 }
 
 // One pack of the output as the unquantized op returns it (rounded to Tin), as float: what gets quantized.
@@ -470,6 +486,11 @@ constexpr bool early_affine() {
 // residual's packs and no branch on it. Extra: none (packed rows), StridedRows (each operand's rows at their own
 // offsets: every plain variant with a residual, and the strided twin without), or QuantArgs (a scale per row) or
 // GroupQuantArgs (a scale per group), then StridedRows (codes at out's offsets).
+// Two bodies (each_row): where every lane holds all its packs of every row (kFull: 16-bit rows of the common
+// hidden sizes) no pack is tested for presence, and the output's common case (no cast before the weight, weight
+// offset 0: kPlain) is tested once per row; elsewhere each pack is tested. sm_90 bf16 instructions per element
+// at N = 2048: LayerNorm 26.4 -> 19.3, RMSNorm 16.6 -> 10.8 (kernel audit), at 96 registers where they took 80 and
+// 64 (40 KB of loads in flight per SM, 32 from N = 8192).
 // Occupancy: one block of kMaxRowThreads per SM at least (128 registers); two (64 registers) spilled 236 bytes in
 // the bfloat16 RMSNorm kernel.
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual, typename... Extra>
@@ -508,238 +529,259 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
   }
   int parity = 0;
   const int64_t row_step = static_cast<int64_t>(gridDim.x) * a.rows_per_block;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * a.rows_per_block; base < a.rows; base += row_step) {
-    const int64_t row = base + group;
-    const bool row_ok = row < a.rows;
-    bool valid[kPacks];  // this lane's packs of the row (absent ones are zeros)
+  // kFull: every lane holds all kPacks packs of every row (units == kPacks * lanes), so a pack's presence is its
+  // row's, one test for all. Its RMSNorm weight loads late: early, its bf16 rows took 0.8 more instructions per
+  // element at the same 96 registers.
+  auto each_row = [&](auto full_tag) {
+    constexpr bool kFull = decltype(full_tag)::value;
+    constexpr bool kEarly = kEarlyAffine && !kFull;
+    for (int64_t base = static_cast<int64_t>(blockIdx.x) * a.rows_per_block; base < a.rows; base += row_step) {
+      const int64_t row = base + group;
+      const bool row_ok = row < a.rows;
+      bool valid[kPacks];  // this lane's packs of the row (absent ones are zeros)
 #pragma unroll
-    for (int p = 0; p < kPacks; ++p) valid[p] = row_ok && p * a.lanes + lane < a.units;
-    const RowUnits at = row_units(a, row, extra...);
-    RawPack<Tin, kVec> x[kPacks];
-    load_packs<Tin, kVec, kPacks>(a.input, at.input + lane, a.lanes, valid, x);
-    // The weight is needed only after the statistics: loaded now where the registers allow, its latency hidden
-    // behind the row's and the reduction's.
-    AffinePack<Tw, kVec> wb[kEarlyAffine ? kPacks : 1];
-    if constexpr (kEarlyAffine) {
+      for (int p = 0; p < kPacks; ++p) valid[p] = row_ok && (kFull || p * a.lanes + lane < a.units);
+      const RowUnits at = row_units(a, row, extra...);
+      RawPack<Tin, kVec> x[kPacks];
+      load_packs<Tin, kVec, kPacks>(a.input, at.input + lane, a.lanes, valid, x);
+      // The weight is needed only after the statistics: loaded now where the registers allow, its latency hidden
+      // behind the row's and the reduction's.
+      AffinePack<Tw, kVec> wb[kEarly ? kPacks : 1];
+      if constexpr (kEarly) {
 #pragma unroll
-      for (int p = 0; p < kPacks; ++p) {
-        wb[p] = AffinePack<Tw, kVec>{};
-        if (valid[p]) wb[p] = load_affine<Tw, kRms, A, kVec>(a, p * a.lanes + lane);
-      }
-    }
-    A h[kPacks][kVec];
-    h_of_packs<Tin, Th, A, kVec, kPacks, kResidual>(a, at.residual + lane, at.residual_out + lane, valid, x, h);
-    A shift = A(0);
-    if constexpr (!kRms) {
-      A sum = A(0);  // absent packs are zeros
-#pragma unroll
-      for (int p = 0; p < kPacks; ++p)
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) sum += h[p][j];
-      Sums<A, 1> total{{sum}};
-      if (warps > 1) total = warp_allreduce_32(total);  // whole warps: unrolled (a loop took 35 instructions)
-      else total = warp_allreduce(total, warp_lanes);
-      shift = total.v[0] * inv_warp_count;  // near the warp's mean
-    }
-    A first = A(0), second = A(0);  // LayerNorm: sum(d), sum(d^2); RMSNorm: sum(h^2)
-#pragma unroll
-    for (int p = 0; p < kPacks; ++p) {
-      if (valid[p]) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const A d = h[p][j] - shift;
-          if constexpr (!kRms) first += d;
-          second += d * d;
+        for (int p = 0; p < kPacks; ++p) {
+          wb[p] = AffinePack<Tw, kVec>{};
+          if (valid[p]) wb[p] = load_affine<Tw, kRms, A, kVec>(a, p * a.lanes + lane);
         }
       }
-    }
-    // This lane's sums in double, from its registers (float squares overflow beyond |d| ~ 1.8e19, where ATen's
-    // float statistics give 0 or NaN).
-    auto wide_sums = [&](double& first_wide, double& second_wide) {
-      first_wide = second_wide = 0.0;
+      A h[kPacks][kVec];
+      h_of_packs<Tin, Th, A, kVec, kPacks, kResidual>(a, at.residual + lane, at.residual_out + lane, valid, x, h);
+      A shift = A(0);
+      if constexpr (!kRms) {
+        A sum = A(0);  // absent packs are zeros
+#pragma unroll
+        for (int p = 0; p < kPacks; ++p)
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) sum += h[p][j];
+        Sums<A, 1> total{{sum}};
+        if (warps > 1) total = warp_allreduce_32(total);  // whole warps: unrolled (a loop took 35 instructions)
+        else total = warp_allreduce(total, warp_lanes);
+        shift = total.v[0] * inv_warp_count;  // near the warp's mean
+      }
+      A first = A(0), second = A(0);  // LayerNorm: sum(d), sum(d^2); RMSNorm: sum(h^2)
 #pragma unroll
       for (int p = 0; p < kPacks; ++p) {
         if (valid[p]) {
 #pragma unroll
           for (int j = 0; j < kVec; ++j) {
-            const double d = static_cast<double>(h[p][j]) - static_cast<double>(shift);
-            first_wide += d;
-            second_wide += d * d;
+            const A d = h[p][j] - shift;
+            if constexpr (!kRms) first += d;
+            second += d * d;
           }
         }
       }
-    };
-    RowStats<A> st;
-    const bool writer = row_ok && lane == 0;
-    if (warps <= 1) {
-      // The row in one (sub-)warp: the lanes' sums of squares added in double, the lane's own taken again in
-      // double where they overflowed.
-      A first_sum = first;
-      double second_sum = static_cast<double>(second);
-      if (second > std::numeric_limits<A>::max()) {
-        double first_wide;
-        wide_sums(first_wide, second_sum);
-        first_sum = static_cast<A>(first_wide);
-      }
-      if constexpr (kRms) {
-        const double squares = warp_allreduce(Sums<double, 1>{{second_sum}}, warp_lanes).v[0];
-        st = finish_stats<kRms>(a, row, writer, A(0), A(0), squares);
-      } else {
-        const SumPair<A, double> m = warp_allreduce(SumPair<A, double>{first_sum, second_sum}, warp_lanes);
-        const A rest = m.s1 * inv_cols;  // mean(d): what the shift lacks of the row's mean
-        const double m2 = ::fma(-static_cast<double>(m.s1), static_cast<double>(rest), m.s2);
-        st = finish_stats<kRms>(a, row, writer, shift, rest, m2);
-      }
-    } else if constexpr (kRms) {
-      A squares = warp_allreduce_32(Sums<A, 1>{{second}}).v[0];
-      if ((lane & 31) == 0) scratch[parity][lane / 32] = Sums<A, 1>{{squares}};
-      __syncthreads();
-      squares = merge_warp_sums(scratch[parity], warps);
-      if (moments_finite(squares)) {
-        st = finish_stats<kRms>(a, row, writer, A(0), A(0), squares);
-      } else if constexpr (!kDouble) {
-        cold_path();
-        double first_wide, second_wide;
-        wide_sums(first_wide, second_wide);
-        const double wide = warp_allreduce(Sums<double, 1>{{second_wide}}, 32).v[0];
-        if ((lane & 31) == 0) wide_scratch[lane / 32] = Sums<double, 1>{{wide}};
-        __syncthreads();
-        st = finish_stats<kRms>(a, row, writer, 0.0, 0.0, merge_warp_sums(wide_scratch, warps));
-      }
-    } else {
-      const Sums<A, 2> m = warp_allreduce_32(Sums<A, 2>{{first, second}});
-      if ((lane & 31) == 0) scratch[parity][lane / 32] = ShiftedMoments<A>{warp_count, shift, m.v[0], m.v[1]};
-      __syncthreads();
-      RowMoments<A> mom = merge_shifted_moments([&](int i) { return scratch[parity][i]; }, warps, inv_cols);
-      if constexpr (kDouble) {
-        // The merged mean keeps an ulp or two of the warps' shifts (1.6 ulps where ATen's is 0.4, rows of 1000
-        // float64): the deviations from it, summed from the registers, correct it (a second barrier, float64 only).
-        const double row_shift = mom.centre + mom.rest;
-        double deviation = 0.0;
+      // This lane's sums in double, from its registers (float squares overflow beyond |d| ~ 1.8e19, where ATen's
+      // float statistics give 0 or NaN).
+      auto wide_sums = [&](double& first_wide, double& second_wide) {
+        first_wide = second_wide = 0.0;
 #pragma unroll
         for (int p = 0; p < kPacks; ++p) {
           if (valid[p]) {
 #pragma unroll
-            for (int j = 0; j < kVec; ++j) deviation += h[p][j] - row_shift;
+            for (int j = 0; j < kVec; ++j) {
+              const double d = static_cast<double>(h[p][j]) - static_cast<double>(shift);
+              first_wide += d;
+              second_wide += d * d;
+            }
           }
         }
-        deviation = warp_allreduce(Sums<double, 1>{{deviation}}, warp_lanes).v[0];
-        if ((lane & 31) == 0) deviations[parity][lane / 32] = Sums<double, 1>{{deviation}};
-        __syncthreads();
-        const double correction = merge_warp_sums(deviations[parity], warps) * a.inv_cols;  // small: 1/cols rounded is enough
-        if (correction - correction == 0.0) mom = RowMoments<A>{row_shift, correction, mom.m2};  // a non-finite row keeps its merged mean (inf, NaN)
-        st = finish_stats<kRms>(a, row, writer, mom.centre, mom.rest, mom.m2);
-      } else if (moments_finite(mom.m2)) {
-        st = finish_stats<kRms>(a, row, writer, mom.centre, mom.rest, mom.m2);
-      } else {
-        cold_path();
-        double first_wide, second_wide;
-        wide_sums(first_wide, second_wide);
-        const Sums<double, 2> wide = warp_allreduce(Sums<double, 2>{{first_wide, second_wide}}, 32);
-        if ((lane & 31) == 0) {
-          wide_scratch[lane / 32] = ShiftedMoments<double>{static_cast<double>(warp_count), static_cast<double>(shift),
-                                                           wide.v[0], wide.v[1]};
+      };
+      RowStats<A> st;
+      const bool writer = row_ok && lane == 0;
+      if (warps <= 1) {
+        // The row in one (sub-)warp: the lanes' sums of squares added in double, the lane's own taken again in
+        // double where they overflowed.
+        A first_sum = first;
+        double second_sum = static_cast<double>(second);
+        if (second > std::numeric_limits<A>::max()) {
+          double first_wide;
+          wide_sums(first_wide, second_sum);
+          first_sum = static_cast<A>(first_wide);
         }
+        if constexpr (kRms) {
+          const double squares = warp_allreduce(Sums<double, 1>{{second_sum}}, warp_lanes).v[0];
+          st = finish_stats<kRms>(a, row, writer, A(0), A(0), squares);
+        } else {
+          const SumPair<A, double> m = warp_allreduce(SumPair<A, double>{first_sum, second_sum}, warp_lanes);
+          const A rest = m.s1 * inv_cols;  // mean(d): what the shift lacks of the row's mean
+          const double m2 = ::fma(-static_cast<double>(m.s1), static_cast<double>(rest), m.s2);
+          st = finish_stats<kRms>(a, row, writer, shift, rest, m2);
+        }
+      } else if constexpr (kRms) {
+        A squares = warp_allreduce_32(Sums<A, 1>{{second}}).v[0];
+        if ((lane & 31) == 0) scratch[parity][lane / 32] = Sums<A, 1>{{squares}};
         __syncthreads();
-        const RowMoments<double> w = merge_shifted_moments([&](int i) { return wide_scratch[i]; }, warps, a.inv_cols);
-        st = finish_stats<kRms>(a, row, writer, w.centre, w.rest, w.m2);
+        squares = merge_warp_sums(scratch[parity], warps);
+        if (moments_finite(squares)) {
+          st = finish_stats<kRms>(a, row, writer, A(0), A(0), squares);
+        } else if constexpr (!kDouble) {
+          cold_path();
+          double first_wide, second_wide;
+          wide_sums(first_wide, second_wide);
+          const double wide = warp_allreduce(Sums<double, 1>{{second_wide}}, 32).v[0];
+          if ((lane & 31) == 0) wide_scratch[lane / 32] = Sums<double, 1>{{wide}};
+          __syncthreads();
+          st = finish_stats<kRms>(a, row, writer, 0.0, 0.0, merge_warp_sums(wide_scratch, warps));
+        }
+      } else {
+        const Sums<A, 2> m = warp_allreduce_32(Sums<A, 2>{{first, second}});
+        if ((lane & 31) == 0) scratch[parity][lane / 32] = ShiftedMoments<A>{warp_count, shift, m.v[0], m.v[1]};
+        __syncthreads();
+        RowMoments<A> mom = merge_shifted_moments([&](int i) { return scratch[parity][i]; }, warps, inv_cols);
+        if constexpr (kDouble) {
+          // The merged mean keeps an ulp or two of the warps' shifts (1.6 ulps where ATen's is 0.4, rows of 1000
+          // float64): the deviations from it, summed from the registers, correct it (a second barrier, float64 only).
+          const double row_shift = mom.centre + mom.rest;
+          double deviation = 0.0;
+#pragma unroll
+          for (int p = 0; p < kPacks; ++p) {
+            if (valid[p]) {
+#pragma unroll
+              for (int j = 0; j < kVec; ++j) deviation += h[p][j] - row_shift;
+            }
+          }
+          deviation = warp_allreduce(Sums<double, 1>{{deviation}}, warp_lanes).v[0];
+          if ((lane & 31) == 0) deviations[parity][lane / 32] = Sums<double, 1>{{deviation}};
+          __syncthreads();
+          const double correction = merge_warp_sums(deviations[parity], warps) * a.inv_cols;  // small: 1/cols rounded is enough
+          if (correction - correction == 0.0) mom = RowMoments<A>{row_shift, correction, mom.m2};  // a non-finite row keeps its merged mean (inf, NaN)
+          st = finish_stats<kRms>(a, row, writer, mom.centre, mom.rest, mom.m2);
+        } else if (moments_finite(mom.m2)) {
+          st = finish_stats<kRms>(a, row, writer, mom.centre, mom.rest, mom.m2);
+        } else {
+          cold_path();
+          double first_wide, second_wide;
+          wide_sums(first_wide, second_wide);
+          const Sums<double, 2> wide = warp_allreduce(Sums<double, 2>{{first_wide, second_wide}}, 32);
+          if ((lane & 31) == 0) {
+            wide_scratch[lane / 32] = ShiftedMoments<double>{static_cast<double>(warp_count), static_cast<double>(shift),
+                                                             wide.v[0], wide.v[1]};
+          }
+          __syncthreads();
+          const RowMoments<double> w = merge_shifted_moments([&](int i) { return wide_scratch[i]; }, warps, a.inv_cols);
+          st = finish_stats<kRms>(a, row, writer, w.centre, w.rest, w.m2);
+        }
+      }
+      parity ^= 1;  // the next row's round writes the other half: no second barrier
+      auto affine = [&](int p) {
+        if constexpr (kEarly) return wb[p];
+        else return load_affine<Tw, kRms, A, kVec>(a, p * a.lanes + lane);  // valid[p]: the caller's test
+      };
+      if constexpr (!kQuant) {
+        auto store_packs = [&](auto plain_tag) {
+#pragma unroll
+          for (int p = 0; p < kPacks; ++p) {
+            if (valid[p]) {
+              const int col_unit = p * a.lanes + lane;  // < units: an int
+              normalize_store_at<Tin, Tw, kRms, A, kVec, decltype(plain_tag)::value>(a, at.out + col_unit, h[p], st,
+                                                                                     affine(p), a.cast_before_weight);
+            }
+          }
+        };
+        if (!a.cast_before_weight && a.weight_offset == A(0)) store_packs(std::true_type{});
+        else store_packs(std::false_type{});
+      } else if constexpr (kGroups) {
+        // Per group: each pack's absmax, all-reduced over the lanes of its group (in a sub-warp row whose groups are
+        // wider than its lanes, then over the lane's packs of the group), then its codes from the registers again.
+        const QuantArgs& q = quant_args(extra...);
+        const int group_lanes = q.group_units < a.lanes ? q.group_units : a.lanes;
+        const int group_packs = group_lanes > 32 ? 1 : q.group_units / group_lanes;  // > 1: folded over packs
+        const GlobalScale global = nvfp4_global_scale(q);
+        float absmax[kPacks];
+#pragma unroll
+        for (int p = 0; p < kPacks; ++p) {
+          absmax[p] = valid[p] ? fold_absmax<Tin, Tw, kRms, A, kVec>(a, h[p], st, affine(p), 0.0f) : 0.0f;
+          absmax[p] = warp_allreduce(AbsMax{absmax[p]}, group_lanes < 32 ? group_lanes : 32).v;
+        }
+        if (group_lanes > 32) {
+          // Groups of several warps' packs, in a block row (lanes a multiple of 32 but not of the group's: a group
+          // may span two rounds of packs). A warp's 32 packs of a round lie in one group: their absmax goes to
+          // shared memory at the place of those packs in the row (segment p * warps + warp), and each pack takes
+          // its group's segments'. The next row's statistics' barrier keeps its writes from this row's reads.
+          __shared__ AbsMax segments[kPacks * (kMaxRowThreads / 32)];
+          const int warps = a.lanes / 32;
+          if ((lane & 31) == 0) {
+#pragma unroll
+            for (int p = 0; p < kPacks; ++p) segments[p * warps + lane / 32] = AbsMax{absmax[p]};
+          }
+          __syncthreads();
+          const int group_segments = q.group_units / 32;
+#pragma unroll
+          for (int p = 0; p < kPacks; ++p) {
+            if (valid[p]) {
+              const int first = (p * a.lanes + lane) / q.group_units * group_segments;
+              AbsMax m = segments[first];
+              for (int k = 1; k < group_segments; ++k) m = combine(m, segments[first + k]);
+              absmax[p] = m.v;
+            }
+          }
+        }
+#pragma unroll
+        for (int span = 1; span < kPacks; span *= 2) {
+          if (span < group_packs) {
+            float other[kPacks];
+#pragma unroll
+            for (int p = 0; p < kPacks; ++p) other[p] = absmax[p ^ span];
+#pragma unroll
+            for (int p = 0; p < kPacks; ++p) absmax[p] = quant::nan_max(absmax[p], other[p]);
+          }
+        }
+#pragma unroll
+        for (int p = 0; p < kPacks; ++p) {
+          const int64_t unit = static_cast<int64_t>(p) * a.lanes + lane;
+          float f[kVec] = {};
+          if (valid[p]) output_floats<Tin, Tw, kRms, A, kVec>(a, h[p], st, affine(p), f);
+          const quant::Scaling scaling =
+              group_scaling(q, global, row, unit / q.group_units, absmax[p], valid[p] && unit % q.group_units == 0);
+          store_group_codes<kVec>(q, at.out, unit, valid[p], f, scaling);
+        }
+        if (writer) zero_swizzle_padding(q, row);
+      } else {
+        // Quantized output: the output values twice from the registers, for the absmax (dynamic scale), then
+        // for the codes.
+        __shared__ AbsMax absmax_scratch[kMaxRowThreads / 32];
+        const QuantArgs& q = quant_args(extra...);
+        float absmax = 0.0f;
+        if (q.scale == nullptr) {
+#pragma unroll
+          for (int p = 0; p < kPacks; ++p) {
+            if (valid[p]) {
+              absmax = fold_absmax<Tin, Tw, kRms, A, kVec>(a, h[p], st, affine(p), absmax);
+            }
+          }
+        }
+        const quant::Scaling scaling = row_scaling(q, row, writer, absmax, a.lanes, absmax_scratch);
+#pragma unroll
+        for (int p = 0; p < kPacks; ++p) {
+          if (valid[p]) {
+            const int col_unit = p * a.lanes + lane;
+            quantize_store<Tin, Tw, kRms, A, kVec>(a, q, at.out + col_unit, h[p], st, affine(p), scaling);
+          }
+        }
       }
     }
-    parity ^= 1;  // the next row's round writes the other half: no second barrier
-    auto affine = [&](int p) {
-      if constexpr (kEarlyAffine) return wb[p];
-      else return load_affine<Tw, kRms, A, kVec>(a, p * a.lanes + lane);  // valid[p]: the caller's test
-    };
-    if constexpr (!kQuant) {
-      // cast_before_weight stays a uniform run-time test: two store loops, one per value, took 8 to 10 more
-      // registers.
-#pragma unroll
-      for (int p = 0; p < kPacks; ++p) {
-        if (valid[p]) {
-          const int col_unit = p * a.lanes + lane;  // < units: an int
-          normalize_store_at<Tin, Tw, kRms, A, kVec>(a, at.out + col_unit, h[p], st, affine(p), a.cast_before_weight);
-        }
-      }
-    } else if constexpr (kGroups) {
-      // Per group: each pack's absmax, all-reduced over the lanes of its group (in a sub-warp row whose groups are
-      // wider than its lanes, then over the lane's packs of the group), then its codes from the registers again.
-      const QuantArgs& q = quant_args(extra...);
-      const int group_lanes = q.group_units < a.lanes ? q.group_units : a.lanes;
-      const int group_packs = group_lanes > 32 ? 1 : q.group_units / group_lanes;  // > 1: folded over packs
-      const GlobalScale global = nvfp4_global_scale(q);
-      float absmax[kPacks];
-#pragma unroll
-      for (int p = 0; p < kPacks; ++p) {
-        absmax[p] = valid[p] ? fold_absmax<Tin, Tw, kRms, A, kVec>(a, h[p], st, affine(p), 0.0f) : 0.0f;
-        absmax[p] = warp_allreduce(AbsMax{absmax[p]}, group_lanes < 32 ? group_lanes : 32).v;
-      }
-      if (group_lanes > 32) {
-        // Groups of several warps' packs, in a block row (lanes a multiple of 32 but not of the group's: a group
-        // may span two rounds of packs). A warp's 32 packs of a round lie in one group: their absmax goes to
-        // shared memory at the place of those packs in the row (segment p * warps + warp), and each pack takes
-        // its group's segments'. The next row's statistics' barrier keeps its writes from this row's reads.
-        __shared__ AbsMax segments[kPacks * (kMaxRowThreads / 32)];
-        const int warps = a.lanes / 32;
-        if ((lane & 31) == 0) {
-#pragma unroll
-          for (int p = 0; p < kPacks; ++p) segments[p * warps + lane / 32] = AbsMax{absmax[p]};
-        }
-        __syncthreads();
-        const int group_segments = q.group_units / 32;
-#pragma unroll
-        for (int p = 0; p < kPacks; ++p) {
-          if (valid[p]) {
-            const int first = (p * a.lanes + lane) / q.group_units * group_segments;
-            AbsMax m = segments[first];
-            for (int k = 1; k < group_segments; ++k) m = combine(m, segments[first + k]);
-            absmax[p] = m.v;
-          }
-        }
-      }
-#pragma unroll
-      for (int span = 1; span < kPacks; span *= 2) {
-        if (span < group_packs) {
-          float other[kPacks];
-#pragma unroll
-          for (int p = 0; p < kPacks; ++p) other[p] = absmax[p ^ span];
-#pragma unroll
-          for (int p = 0; p < kPacks; ++p) absmax[p] = quant::nan_max(absmax[p], other[p]);
-        }
-      }
-#pragma unroll
-      for (int p = 0; p < kPacks; ++p) {
-        const int64_t unit = static_cast<int64_t>(p) * a.lanes + lane;
-        float f[kVec] = {};
-        if (valid[p]) output_floats<Tin, Tw, kRms, A, kVec>(a, h[p], st, affine(p), f);
-        const quant::Scaling scaling =
-            group_scaling(q, global, row, unit / q.group_units, absmax[p], valid[p] && unit % q.group_units == 0);
-        store_group_codes<kVec>(q, at.out, unit, valid[p], f, scaling);
-      }
-      if (writer) zero_swizzle_padding(q, row);
-    } else {
-      // Quantized output: the output values twice from the registers, for the absmax (dynamic scale), then
-      // for the codes.
-      __shared__ AbsMax absmax_scratch[kMaxRowThreads / 32];
-      const QuantArgs& q = quant_args(extra...);
-      float absmax = 0.0f;
-      if (q.scale == nullptr) {
-#pragma unroll
-        for (int p = 0; p < kPacks; ++p) {
-          if (valid[p]) {
-            absmax = fold_absmax<Tin, Tw, kRms, A, kVec>(a, h[p], st, affine(p), absmax);
-          }
-        }
-      }
-      const quant::Scaling scaling = row_scaling(q, row, writer, absmax, a.lanes, absmax_scratch);
-#pragma unroll
-      for (int p = 0; p < kPacks; ++p) {
-        if (valid[p]) {
-          const int col_unit = p * a.lanes + lane;
-          quantize_store<Tin, Tw, kRms, A, kVec>(a, q, at.out + col_unit, h[p], st, affine(p), scaling);
-        }
-      }
+  };
+  // The full-row body for 16-bit rows with 16-bit weights (bf16 / fp16 models), whose instructions per element
+  // count most. ptxas sm_90 against the one body: float rows, float weights or h took 8 to 29 more registers with
+  // it (fewer threads per SM), bf16 LayerNorm 16 (80 -> 96), RMSNorm 32 (64 -> 96). The quantized variants keep one
+  // body: each would double their build time for a path of their own.
+  if constexpr (!kQuant && sizeof(Tin) == 2 && sizeof(Th) == 2 && sizeof(Tw) == 2) {
+    if (a.units == kPacks * a.lanes) {
+      each_row(std::true_type{});
+      return;
     }
   }
+  each_row(std::false_type{});
 }
 
 // Long-row path. Thread mapping: a row per cluster of `cluster` = a.lanes / kMaxRowThreads blocks (1, or 2 to 16 on
@@ -1028,10 +1070,14 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       });
     };
     if constexpr (!kQuant) {
-      for_each_pack([&](int64_t unit, A (&h)[kVec]) {
-        normalize_store<Tin, Tw, kRms, A, kVec>(a, row, unit, h, st, load_affine<Tw, kRms, A, kVec>(a, unit),
-                                                a.cast_before_weight);
-      });
+      auto store_packs = [&](auto plain_tag) {
+        for_each_pack([&](int64_t unit, A (&h)[kVec]) {
+          normalize_store<Tin, Tw, kRms, A, kVec, decltype(plain_tag)::value>(
+              a, row, unit, h, st, load_affine<Tw, kRms, A, kVec>(a, unit), a.cast_before_weight);
+        });
+      };
+      if (!a.cast_before_weight && a.weight_offset == A(0)) store_packs(std::true_type{});
+      else store_packs(std::false_type{});
     } else if (quant_args(quant...).group_units > 0) {
       // Per group (a group's packs in lanes of one warp): one pass, its bounds the block's (the butterflies); each
       // pack's absmax all-reduced over its group's lanes, then its codes.
