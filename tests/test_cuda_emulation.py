@@ -382,8 +382,8 @@ def test_emulated_numerics_options(
 def test_emulated_inference_ops(emulated: ModuleType, rms: bool, dtype: torch.dtype, n: int) -> None:
     """out= and the in-place fused add + norm on every thread mapping (the long paths stage h in shared memory or
     read it again from residual_out, which in place is residual itself): the forward op's bits, no statistics.
-    N = 256: full rows (every lane holds all its packs) in blocks of several rows, the last block part-filled: its
-    idle lanes work on the last row again and store nothing (in place, they would read what its lanes wrote)."""
+    N = 256: full rows (every lane holds all its packs: one test per row, not per pack) in blocks of several rows,
+    the last block part-filled: its lanes past the last row load and store nothing."""
     gen = torch.Generator().manual_seed(n)
     m = _rows(n)
     x = (torch.randn(m, n, generator=gen) * 2 + 0.3).to(dtype)

@@ -251,7 +251,8 @@ class ScratchLease {
 };
 
 // The parameter plus offset as To: itself when it has that dtype and no offset, else converted into the
-// lease's buffer (the sum rounded once in To, as `1.0 + weight.float()` is).
+// lease's buffer (the sum rounded once in To, as `1.0 + weight.float()` is; an offset of 0 is not added, so that
+// a weight of -0 keeps its sign, as in ATen and the CUDA kernels).
 template <typename To, int kSlot>
 const To* param_as(const void* ptr, ScalarType type, int64_t cols, ScratchLease<To, kSlot>& lease,
                    double offset = 0.0) {
@@ -261,7 +262,11 @@ const To* param_as(const void* ptr, ScalarType type, int64_t cols, ScratchLease<
   const To add = static_cast<To>(offset);
   visit_param_dtype(type, [&](auto tag) {
     const auto* src = static_cast<const decltype(tag)*>(ptr);
-    for (int64_t j = 0; j < cols; ++j) v[j] = static_cast<To>(src[j]) + add;
+    if (offset == 0.0) {
+      for (int64_t j = 0; j < cols; ++j) v[j] = static_cast<To>(src[j]);
+    } else {
+      for (int64_t j = 0; j < cols; ++j) v[j] = static_cast<To>(src[j]) + add;
+    }
   });
   return v;
 }

@@ -155,7 +155,7 @@ __device__ __forceinline__ AffinePack<Tw, kVec> load_affine(const ForwardArgs<A>
 // output dtype first.
 // LayerNorm: xhat = fma(h - shift, rstd, -corr * rstd) (the product exact inside the fused multiply-add; corr * rstd,
 // small, rounded once per row) and y = fma(xhat, weight + weight_offset, bias), with load_affine's ones and -0 for an
-// absent weight or bias: two roundings after h - shift where the separate steps took four, and no branch.
+// absent weight or bias: two roundings after h - shift where the separate steps took four, and no branch on them.
 // A weight_offset of 0 is not added (a weight of -0 keeps its sign, as in ATen). kPlain: the caller has tested
 // that neither `cast` nor the offset applies (nn.LayerNorm, nn.RMSNorm), once per row rather than per pack.
 template <typename Tin, typename Tw, bool kRms, typename A, int kVec, bool kPlain = false>
@@ -459,7 +459,8 @@ __device__ __forceinline__ void h_of_packs(const ForwardArgs<A>& a, int64_t firs
 // weight and bias loaded early or all together after the statistics, against 80 with each pack's loaded right
 // before its use (which keeps 768 threads per SM resident instead of 512), so LayerNorm loads them late. A float
 // weight stays late too: float32 RMSNorm took 72 registers with it early against 48 late (at N = 8192, 512
-// threads per SM instead of 1024).
+// threads per SM instead of 1024). (Figures of the kernels' one body then; the full-row body, 96 registers, loads
+// the RMSNorm weight late: see forward_rows_kernel.)
 template <typename A, typename Tw, bool kRms, int kVec, int kPacks>
 constexpr bool early_affine() {
   return kRms && sizeof(Tw) == 2 && kPacks * kVec * static_cast<int>(sizeof(A) + sizeof(Tw)) <= 192;
@@ -468,10 +469,10 @@ constexpr bool early_affine() {
 // Register path. Thread mapping: block = rows_per_block groups of `lanes` threads; group g handles row
 // blockIdx.x * rows_per_block + g (grid-striding); lane l holds packs l, l + lanes, ... (kPacks of them) of
 // the row in registers as the compute type.
-// Loads: every 16-byte load of the row (input, residual; RMSNorm's weight where early_affine) is issued before
-// the first use of any of them, as raw bits; the conversions follow (the residual's dtype is dispatched once per
-// row, outside the pack loops), so that a thread keeps all its packs in flight (with the unpack of each pack and
-// a run-time residual branch between two loads, a bfloat16 thread kept one 16-byte load in flight).
+// Loads: every 16-byte load of the row (input, residual; RMSNorm's weight where early_affine, in the general body) is
+// issued before the first use of any of them, as raw bits; the conversions follow (the residual's dtype is
+// dispatched once per row, outside the pack loops), so that a thread keeps all its packs in flight (with the unpack
+// of each pack and a run-time residual branch between two loads, a bfloat16 thread kept one 16-byte load in flight).
 // Statistics, per warp first (no barrier): LayerNorm all-reduces the warp's sum for a shift (its mean, rounded),
 // then the sums of d = h - shift and d^2 (exact centring: no Welford divisions, and a variance free of the
 // mean's rounding); RMSNorm the sum of squares. Each lane adds its own values in the compute type. A row in one
@@ -487,10 +488,11 @@ constexpr bool early_affine() {
 // offsets: every plain variant with a residual, and the strided twin without), or QuantArgs (a scale per row) or
 // GroupQuantArgs (a scale per group), then StridedRows (codes at out's offsets).
 // Two bodies (each_row): where every lane holds all its packs of every row (kFull: 16-bit rows of the common
-// hidden sizes) no pack is tested for presence, and the output's common case (no cast before the weight, weight
-// offset 0: kPlain) is tested once per row; elsewhere each pack is tested. sm_90 bf16 instructions per element
-// at N = 2048: LayerNorm 26.4 -> 19.3, RMSNorm 16.6 -> 10.8 (kernel audit), at 96 registers where they took 80 and
-// 64 (40 KB of loads in flight per SM, 32 from N = 8192).
+// hidden sizes) a pack's presence is its row's, one test; elsewhere each pack is tested. In both, the output's
+// common case (no cast before the weight, weight offset 0: kPlain) is tested once per row. sm_90 bf16 instructions
+// per element at N = 2048: LayerNorm 26.4 -> 19.3, RMSNorm 16.6 -> 10.8 (kernel audit), at 96 registers where they
+// took 80 and 64 (40 KB of loads in flight per SM, 32 from N = 8192); the registers are the kernel's, so rows that
+// take the general body (bf16 N = 768, 1536, 2560) have them too.
 // Occupancy: one block of kMaxRowThreads per SM at least (128 registers); two (64 registers) spilled 236 bytes in
 // the bfloat16 RMSNorm kernel.
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual, typename... Extra>
