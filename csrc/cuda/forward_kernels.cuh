@@ -258,11 +258,12 @@ __device__ __forceinline__ void quantize_store(const ForwardArgs<A>& a, const Qu
 
 // How the row's codes are scaled: by the static scale, or by the dynamic one from the row's absmax (each
 // thread's own, all-reduced over the row's `lanes` threads), which `writer` stores. In dynamic mode every
-// thread of the block must call it (the all-reduce).
+// thread of the block must call it (the all-reduce), and a row of several warps takes one barrier: the next row
+// writes `scratch` only after its statistics' barrier, which every reader of this row's has passed.
 __device__ __forceinline__ quant::Scaling row_scaling(const QuantArgs& q, int64_t row, bool writer, float absmax, int lanes,
                                                AbsMax* scratch) {
   if (q.scale != nullptr) return quant::scaling(*q.scale, /*is_static=*/true, q.code);
-  absmax = row_allreduce(AbsMax{absmax}, lanes, scratch).v;
+  absmax = row_allreduce_one_barrier(AbsMax{absmax}, lanes, scratch).v;
   const float scale = quant::dynamic_scale(absmax, q.scale_ub, q.code);
   if (writer) q.row_scales[row] = scale;
   return quant::scaling(scale, /*is_static=*/false, q.code);
