@@ -73,13 +73,14 @@ BACKWARD_ARGS_BYTES = 128
 # Run-time flags of the plain kernels that the audited call fixes, decided as QUANT_VARIANT's fields are (below):
 # BackwardArgs.saved_is_output (byte 116; false: the default mode saves the input), with which every backward
 # kernel picks one of two copies of its row code (the other, the memory-efficient mode's, derives the input from
-# the output); forward_long_kernel's `staged` parameter (right after ForwardArgs), the plan's.
+# the output); forward_long_kernel's `staged` and `whole_chunks` parameters (bytes 0 and 1 after ForwardArgs), the
+# plan's.
 SAVED_IS_OUTPUT_OFFSET = 116
 # A pointer value for the parameters the audited call gives (weight, bias): any non-null address, both words non-zero.
 NON_NULL_POINTER = 0x00007F0012340000
 # QuantArgs (forward_kernels.cuh), the quantized kernels' second parameter: its pointer fields by byte offset, and
 # where it starts: after ForwardArgs<float> (120 bytes; float is the compute type of bf16 and fp32 rows), and in
-# forward_long_kernel after its `staged` flag too (8-byte aligned).
+# forward_long_kernel after its `staged` and `whole_chunks` flags too (8-byte aligned).
 QUANT_POINTERS = {"codes": 0, "scale": 8, "scale_ub": 16, "row_scales": 24, "block_scales": 48}
 FORWARD_ARGS_BYTES = 120
 QUANT_ARGS_OFFSET = {"rows": FORWARD_ARGS_BYTES, "long": FORWARD_ARGS_BYTES + 8}
@@ -214,8 +215,9 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
             known.update(parameter_bytes(quant_base + offset, value, size))
     if not forward:  # the default mode saves the input (the memory-efficient mode's copy of the code is off the path)
         known[arch.param_base + SAVED_IS_OUTPUT_OFFSET] = 0
-    elif not plan["packs"]:  # forward_long_kernel's `staged`: the plan's
+    elif not plan["packs"]:  # forward_long_kernel's `staged` and `whole_chunks`: the plan's
         known[arch.param_base + FORWARD_ARGS_BYTES] = int(plan["staged"])
+        known[arch.param_base + FORWARD_ARGS_BYTES + 1] = int(plan["whole_chunks"])
     used, unused = call_streams(op, direction)
     # The call's weight (and LayerNorm's bias) pointers are not null: the branches on them take that side. Left
     # undecided, a branch holding only arithmetic (no access to tell the sides apart) went by the fewest
@@ -240,7 +242,11 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         pointer_names = {address: [pointers[p] for p in sorted(params) if p in pointers]
                          for address, params in parameters.items()}
         stream = {address: names[0] if len(names) == 1 else None for address, names in pointer_names.items()}
-        all_loops = [loop for loop in sass.loops(blocks) if loop.header in successors[loop.latch]]  # back edge taken
+        # Loops the call runs: reached along the taken edges (a kernel with two copies of its row loop, one per body,
+        # runs one: forward_long_kernel's whole_chunks), their back edge taken.
+        reached = sass.reachable(successors)
+        all_loops = [loop for loop in sass.loops(blocks)
+                     if loop.latch in reached and loop.header in successors[loop.latch]]
         row_loops = [loop for loop in all_loops if first_stream in streams_of(blocks, stream, loop.blocks)
                      and any(i.op in ("SHFL", "BAR") for b in loop.blocks for i in blocks[b].instructions)]
         row_loop = max(row_loops, key=lambda loop: len(loop.blocks)) if row_loops else None

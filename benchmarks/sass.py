@@ -784,7 +784,12 @@ def decided_successors(blocks: list[Block], params: dict[int, int], specials: di
         last = block.instructions[-1]
         successors = list(block.successors)
         decidable = last.predicate and (last.is_jump or last.op == "EXIT") and "DIV" not in last.modifiers
-        if decidable and b not in open_blocks:
+        if last.op == "BRA" and "DIV" in last.modifiers:
+            # The out-of-line form of a shuffle, for a diverged warp: the audited call's warps run converged. Taken,
+            # its edge back into the code made a cycle through the row loop's back edge that looked like a larger
+            # loop (forward_long_kernel with two bodies: the row region became the wrong one).
+            successors = [s for s in successors if s == b + 1][:1]
+        elif decidable and b not in open_blocks:
             guard = _full(_value(last.predicate.lstrip("@"), state, params), 1)
             target = last.branch_target()
             if guard == 1:  # the block at the target (after it, where the target is a NOP)

@@ -318,6 +318,7 @@ pybind11::dict cuda_launch_plan(const std::string& op, const std::string& direct
   out["packs"] = plan.packs;
   out["vec"] = plan.vec;
   out["staged"] = plan.staged;
+  out["whole_chunks"] = plan.whole_chunks;
   out["cluster"] = plan.cluster;
   out["persistent"] = plan.persistent;
   out["row_groups"] = plan.row_groups;

@@ -818,7 +818,7 @@ constexpr size_t kLongScratchBytes = 2 * (sizeof(ShiftedMoments<double>) + sizeo
 
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, typename... Quant>
 __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArgs<acc_t<Th>> a, bool staged,
-                                                                      Quant... quant) {
+                                                                      bool whole_chunks, Quant... quant) {
   using A = acc_t<Th>;
   constexpr bool kQuant = sizeof...(Quant) == 1;
   constexpr bool kDouble = std::is_same_v<A, double>;
@@ -829,6 +829,10 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
   using WarpStat = std::conditional_t<kRms, Sums<S, 1>, ShiftedMoments<S>>;
   using WideStat = std::conditional_t<kRms, Sums<double, 1>, ShiftedMoments<double>>;  // their slow path
   using ThreadSums = Sums<A, kRms ? 1 : 2>;
+  // Named here, not in the row loop's generic lambda: there g++ 12 (the host emulation) failed on them (an internal
+  // compiler error).
+  using ThreadMerge = PairwiseMerge<ThreadSums, kDouble ? 0 : 6>;
+  using WelfordMerge = PairwiseMerge<DoubleStat, kDouble ? 4 : 0>;
   constexpr size_t kAbsMaxOffset = 2 * sizeof(ShiftedMoments<double>) * kWarps;
   static_assert((2 * sizeof(WarpStat) + sizeof(WideStat)) * kWarps <= kAbsMaxOffset, "the warps' states");
   static_assert(kAbsMaxOffset + 2 * sizeof(AbsMax) * kWarps <= kLongScratchBytes, "the warps' absmax");
@@ -852,293 +856,307 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
   const int64_t warp_extra = extra_lanes - 32 * warp;
   const double warp_values =
       static_cast<double>((32 * even_packs + (warp_extra < 0 ? 0 : (warp_extra < 32 ? warp_extra : 32))) * kVec);
-  auto chunk_valid = [&](int64_t first, bool (&valid)[kChunk]) {
-#pragma unroll
-    for (int p = 0; p < kChunk; ++p) valid[p] = first + static_cast<int64_t>(p) * lanes < a.units;
-  };
   int parity = 0;
   const int64_t row_step = gridDim.x / cluster;
-  for (int64_t row = blockIdx.x / cluster; row < a.rows; row += row_step) {
-    const int64_t row_unit = row * a.units;
-    // h of a chunk again (pass 2): from the stage (slot: its first pack's), or re-read.
-    auto reload = [&](int64_t first, int64_t slot, const bool (&valid)[kChunk], A (&h)[kChunk][kVec]) {
-      if (staged) {
+  // Two bodies, as forward_rows_kernel's: where every chunk of every thread is whole (whole_chunks, the host's:
+  // units a multiple of kChunk x lanes, the power-of-two hidden sizes) no pack is tested (kFull); elsewhere each is.
+  // RMSNorm of 16-bit rows and weights only: its bf16 instructions per element went 14.7-16.1 -> 11.5-12.8 (sm_90,
+  // kernel audit); LayerNorm's 17.9-20.0 -> 17.5-19.9, and its other body took 2 more registers and 0.5 more
+  // instructions per element (N = 262144).
+  auto each_row = [&](auto full_tag) {
+    constexpr bool kFull = decltype(full_tag)::value;
+    auto chunk_valid = [&](int64_t first, bool (&valid)[kChunk]) {
 #pragma unroll
-        for (int p = 0; p < kChunk; ++p) {
-          RawPack<Th, kVec> packed{};
-          if (valid[p]) packed = stage[slot + static_cast<int64_t>(p) * threads];
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) h[p][j] = raw_element<A>(packed, j);
-        }
-      } else if (a.residual != nullptr) {
-        RawPack<Th, kVec> packed[kChunk];
-        load_packs<Th, kVec, kChunk>(a.residual_out, row_unit + first, lanes, valid, packed);
-#pragma unroll
-        for (int p = 0; p < kChunk; ++p)
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) h[p][j] = raw_element<A>(packed[p], j);
-      } else {
-        RawPack<Tin, kVec> packed[kChunk];
-        load_packs<Tin, kVec, kChunk>(a.input, row_unit + first, lanes, valid, packed);
-#pragma unroll
-        for (int p = 0; p < kChunk; ++p)
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) h[p][j] = raw_element<A>(packed[p], j);
-      }
+      for (int p = 0; p < kChunk; ++p) valid[p] = kFull || first + static_cast<int64_t>(p) * lanes < a.units;
     };
+    for (int64_t row = blockIdx.x / cluster; row < a.rows; row += row_step) {
+      const int64_t row_unit = row * a.units;
+      // h of a chunk again (pass 2): from the stage (slot: its first pack's), or re-read.
+      auto reload = [&](int64_t first, int64_t slot, const bool (&valid)[kChunk], A (&h)[kChunk][kVec]) {
+        if (staged) {
+#pragma unroll
+          for (int p = 0; p < kChunk; ++p) {
+            RawPack<Th, kVec> packed{};
+            if (valid[p]) packed = stage[slot + static_cast<int64_t>(p) * threads];
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) h[p][j] = raw_element<A>(packed, j);
+          }
+        } else if (a.residual != nullptr) {
+          RawPack<Th, kVec> packed[kChunk];
+          load_packs<Th, kVec, kChunk>(a.residual_out, row_unit + first, lanes, valid, packed);
+#pragma unroll
+          for (int p = 0; p < kChunk; ++p)
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) h[p][j] = raw_element<A>(packed[p], j);
+        } else {
+          RawPack<Tin, kVec> packed[kChunk];
+          load_packs<Tin, kVec, kChunk>(a.input, row_unit + first, lanes, valid, packed);
+#pragma unroll
+          for (int p = 0; p < kChunk; ++p)
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) h[p][j] = raw_element<A>(packed[p], j);
+        }
+      };
 
-    // Pass 1: h read once, staged, and summed.
-    A shift = A(0);
-    PairwiseMerge<ThreadSums, kDouble ? 0 : 6> sums;
-    double wide_first = 0.0, wide_second = 0.0;  // chunks whose float squares overflowed, summed in double
-    bool went_wide = false;
-    PairwiseMerge<DoubleStat, kDouble ? 4 : 0> welford;  // float64 rows: each pack's state, merged pairwise
-    for (int64_t first = me, slot = threadIdx.x; first < a.units; first += chunk_step, slot += slot_step) {
-      bool valid[kChunk];
-      chunk_valid(first, valid);
-      RawPack<Tin, kVec> x[kChunk];
-      load_packs<Tin, kVec, kChunk>(a.input, row_unit + first, lanes, valid, x);
-      A h[kChunk][kVec];
-      if (a.residual != nullptr) h_of_packs<Tin, Th, A, kVec, kChunk, true>(a, row_unit + first, row_unit + first, valid, x, h);
-      else h_of_packs<Tin, Th, A, kVec, kChunk, false>(a, row_unit + first, row_unit + first, valid, x, h);
-      if (staged) {
-#pragma unroll
-        for (int p = 0; p < kChunk; ++p) {
-          if (!valid[p]) continue;
-          RawPack<Th, kVec> packed;
-          if constexpr (std::is_same_v<Tin, Th>) {
-            if (a.residual == nullptr) packed = x[p];  // the input's bits as loaded
-          }
-          if (!std::is_same_v<Tin, Th> || a.residual != nullptr) {
-            Pack<Th, kVec> rounded;  // h is a value of Th: exact
-#pragma unroll
-            for (int j = 0; j < kVec; ++j) rounded.v[j] = from_acc<Th>(h[p][j]);
-            packed = bits_as<RawPack<Th, kVec>>(rounded);
-          }
-          stage[slot + static_cast<int64_t>(p) * threads] = packed;
-        }
-      }
-      if constexpr (kDouble) {
-#pragma unroll
-        for (int p = 0; p < kChunk; ++p) {
-          if (!valid[p]) continue;
-          if constexpr (kRms) {
-            DoubleStat squares{};
-#pragma unroll
-            for (int j = 0; j < kVec; ++j) squares.v[0] += h[p][j] * h[p][j];
-            welford.add(squares);
-          } else {
-            double sum = 0.0;
-#pragma unroll
-            for (int j = 0; j < kVec; ++j) sum += h[p][j];
-            const double mean = sum * (1.0 / kVec);  // kVec is a power of two: exact
-            double m2 = 0.0;
-#pragma unroll
-            for (int j = 0; j < kVec; ++j) m2 += (h[p][j] - mean) * (h[p][j] - mean);
-            welford.add(Welford<double>{double(kVec), mean, m2});
-          }
-        }
-      } else {
-        if (!kRms && first == me) {  // the thread's first pack (valid: first < units)
-          A sum = A(0);
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) sum += h[0][j];
-          shift = sum * (A(1) / A(kVec));
-        }
-        ThreadSums part[kChunk];
-#pragma unroll
-        for (int p = 0; p < kChunk; ++p) {
-          part[p] = ThreadSums{};
-          if (valid[p]) {
-#pragma unroll
-            for (int j = 0; j < kVec; ++j) {
-              const A d = h[p][j] - shift;
-              if constexpr (!kRms) part[p].v[0] += d;
-              part[p].v[kRms ? 0 : 1] += d * d;
-            }
-          }
-        }
-        static_assert(kChunk == 4, "the chunk's tree");
-        ThreadSums chunk = combine(combine(part[0], part[1]), combine(part[2], part[3]));
-        if (chunk.v[kRms ? 0 : 1] > std::numeric_limits<A>::max()) {
-          // Float squares overflow beyond |d| ~ 1.8e19 (ATen's float statistics give 0 or NaN there), or an
-          // infinity is held: this chunk's sums again in double, from the registers.
+      // Pass 1: h read once, staged, and summed.
+      A shift = A(0);
+      ThreadMerge sums;
+      double wide_first = 0.0, wide_second = 0.0;  // chunks whose float squares overflowed, summed in double
+      bool went_wide = false;
+      WelfordMerge welford;  // float64 rows: each pack's state, merged pairwise
+      for (int64_t first = me, slot = threadIdx.x; first < a.units; first += chunk_step, slot += slot_step) {
+        bool valid[kChunk];
+        chunk_valid(first, valid);
+        RawPack<Tin, kVec> x[kChunk];
+        load_packs<Tin, kVec, kChunk>(a.input, row_unit + first, lanes, valid, x);
+        A h[kChunk][kVec];
+        if (a.residual != nullptr) h_of_packs<Tin, Th, A, kVec, kChunk, true>(a, row_unit + first, row_unit + first, valid, x, h);
+        else h_of_packs<Tin, Th, A, kVec, kChunk, false>(a, row_unit + first, row_unit + first, valid, x, h);
+        if (staged) {
 #pragma unroll
           for (int p = 0; p < kChunk; ++p) {
             if (!valid[p]) continue;
+            RawPack<Th, kVec> packed;
+            if constexpr (std::is_same_v<Tin, Th>) {
+              if (a.residual == nullptr) packed = x[p];  // the input's bits as loaded
+            }
+            if (!std::is_same_v<Tin, Th> || a.residual != nullptr) {
+              Pack<Th, kVec> rounded;  // h is a value of Th: exact
 #pragma unroll
-            for (int j = 0; j < kVec; ++j) {
-              const double d = static_cast<double>(h[p][j]) - static_cast<double>(shift);
-              wide_first += d;
-              wide_second += d * d;
+              for (int j = 0; j < kVec; ++j) rounded.v[j] = from_acc<Th>(h[p][j]);
+              packed = bits_as<RawPack<Th, kVec>>(rounded);
+            }
+            stage[slot + static_cast<int64_t>(p) * threads] = packed;
+          }
+        }
+        if constexpr (kDouble) {
+#pragma unroll
+          for (int p = 0; p < kChunk; ++p) {
+            if (!valid[p]) continue;
+            if constexpr (kRms) {
+              DoubleStat squares{};
+#pragma unroll
+              for (int j = 0; j < kVec; ++j) squares.v[0] += h[p][j] * h[p][j];
+              welford.add(squares);
+            } else {
+              double sum = 0.0;
+#pragma unroll
+              for (int j = 0; j < kVec; ++j) sum += h[p][j];
+              const double mean = sum * (1.0 / kVec);  // kVec is a power of two: exact
+              double m2 = 0.0;
+#pragma unroll
+              for (int j = 0; j < kVec; ++j) m2 += (h[p][j] - mean) * (h[p][j] - mean);
+              welford.add(Welford<double>{double(kVec), mean, m2});
             }
           }
-          chunk = ThreadSums{};
-          went_wide = true;
-        }
-        sums.add(chunk);
-      }
-    }
-
-    auto row_barrier = [&] {
-      if (cluster == 1) __syncthreads();
-      else cluster_sync();
-    };
-    // The row's statistics: one barrier (float64 rows: two).
-    RowStats<A> st;
-    const bool writer = me == 0;
-    if constexpr (kDouble) {
-      const DoubleStat s = row_allreduce(welford.total(), lanes, double_scratch);
-      if constexpr (kRms) {
-        st = finish_stats<kRms>(a, row, writer, 0.0, 0.0, s.v[0]);
-      } else {
-        st = finish_stats<kRms>(a, row, writer, s.mean, 0.0, s.m2);
-      }
-    } else {
-      const ThreadSums total = sums.total();
-      // The warps' states of the row: those of block c at cluster_shared(states, c), warp w of the block at
-      // index w (warp c * kWarps + w of the row).
-      auto row_warp = [&](const auto* states, int i) {
-        return cluster == 1 ? states[i] : cluster_shared(states, static_cast<unsigned>(i / kWarps))[i % kWarps];
-      };
-      const int parts = lanes / 32;
-      const bool lane0 = (threadIdx.x & 31) == 0;
-      // A chunk whose float squares overflowed makes the row's float statistics infinite: the slow path, in double.
-      const S overflowed = went_wide ? std::numeric_limits<S>::infinity() : S(0);
-      if constexpr (kRms) {
-        const S squares = warp_allreduce(Sums<S, 1>{{total.v[0] + overflowed}}, 32).v[0];
-        if (lane0) warp_scratch[parity][threadIdx.x / 32] = Sums<S, 1>{{squares}};
-        row_barrier();
-        const S sum = merge_parts_sum<S>([&](int i) { return row_warp(warp_scratch[parity], i).v[0]; }, parts);
-        if (moments_finite(sum)) {
-          st = finish_stats<kRms>(a, row, writer, S(0), S(0), sum);
         } else {
-          cold_path();
-          const double wide = warp_allreduce(Sums<double, 1>{{static_cast<double>(total.v[0]) + wide_second}}, 32).v[0];
-          if (lane0) wide_scratch[threadIdx.x / 32] = Sums<double, 1>{{wide}};
-          row_barrier();
-          const double wide_sum = merge_parts_sum<double>([&](int i) { return row_warp(wide_scratch, i).v[0]; }, parts);
-          st = finish_stats<kRms>(a, row, writer, 0.0, 0.0, wide_sum);
-        }
-      } else {
-        const A centre = __shfl_sync(0xffffffffu, shift, 0);
-        S first_sum = total.v[0], second_sum = total.v[1] + overflowed;
-        recentre<S>(static_cast<S>(thread_packs * kVec), shift, centre, first_sum, second_sum);
-        const Sums<S, 2> m = warp_allreduce(Sums<S, 2>{{first_sum, second_sum}}, 32);
-        if (lane0) warp_scratch[parity][threadIdx.x / 32] = ShiftedMoments<S>{static_cast<S>(warp_values), centre, m.v[0], m.v[1]};
-        row_barrier();
-        const RowMoments<S> mom = merge_shifted_moments(
-            [&](int i) { return row_warp(warp_scratch[parity], i); }, parts, static_cast<S>(a.inv_cols));
-        if (moments_finite(mom.m2)) {
-          st = finish_stats<kRms>(a, row, writer, mom.centre, mom.rest, mom.m2);
-        } else {
-          cold_path();
-          double first_wide = static_cast<double>(total.v[0]) + wide_first;
-          double second_wide = static_cast<double>(total.v[1]) + wide_second;
-          recentre<double>(static_cast<double>(thread_packs * kVec), shift, centre, first_wide, second_wide);
-          const Sums<double, 2> w = warp_allreduce(Sums<double, 2>{{first_wide, second_wide}}, 32);
-          if (lane0) wide_scratch[threadIdx.x / 32] = ShiftedMoments<double>{warp_values, centre, w.v[0], w.v[1]};
-          row_barrier();
-          const RowMoments<double> wide = merge_shifted_moments(
-              [&](int i) { return row_warp(wide_scratch, i); }, parts, a.inv_cols);
-          st = finish_stats<kRms>(a, row, writer, wide.centre, wide.rest, wide.m2);
-        }
-      }
-      parity ^= 1;  // the next row's round writes the other half: no second barrier (every thread of the cluster
-                    // has read this half before it reaches the next row's barrier)
-    }
-
-    // Pass 2: normalize. Each pack's weight and bias are loaded right before their use (they hit L2): loaded for
-    // the whole chunk first, they took 128 registers and spilled (ptxas, sm_90, bfloat16 rows with float weights).
-    // This thread's share of the row again, a chunk at a time (from the stage, or re-read): body(first, valid, h).
-    // kBlockBounds: while any thread of the block has a chunk (a block-uniform loop, for butterflies in the body).
-    auto for_each_chunk = [&](auto block_bounds, auto&& body) {
-      constexpr bool kBlockBounds = decltype(block_bounds)::value;
-      for (int64_t first = me, slot = threadIdx.x; (kBlockBounds ? first - threadIdx.x : first) < a.units;
-           first += chunk_step, slot += slot_step) {
-        bool valid[kChunk];
-        chunk_valid(first, valid);
-        A h[kChunk][kVec];
-        reload(first, slot, valid, h);
-        body(first, valid, h);
-      }
-    };
-    // Every valid pack of this thread's share of the row again: body(unit, h).
-    auto for_each_pack = [&](auto&& body) {
-      for_each_chunk(std::false_type{}, [&](int64_t first, const bool (&valid)[kChunk], A (&h)[kChunk][kVec]) {
+          if (!kRms && first == me) {  // the thread's first pack (valid: first < units)
+            A sum = A(0);
 #pragma unroll
-        for (int p = 0; p < kChunk; ++p) {
-          if (valid[p]) body(first + static_cast<int64_t>(p) * lanes, h[p]);
-        }
-      });
-    };
-    if constexpr (!kQuant) {
-      auto store_packs = [&](auto plain_tag) {
-        for_each_pack([&](int64_t unit, A (&h)[kVec]) {
-          normalize_store<Tin, Tw, kRms, A, kVec, decltype(plain_tag)::value>(
-              a, row, unit, h, st, load_affine<Tw, kRms, A, kVec>(a, unit), a.cast_before_weight);
-        });
-      };
-      if (!a.cast_before_weight && a.weight_offset == A(0)) store_packs(std::true_type{});
-      else store_packs(std::false_type{});
-    } else if (quant_args(quant...).group_units > 0) {
-      // Per group (a group's packs in lanes of one warp): one pass, its bounds the block's (the butterflies); each
-      // pack's absmax all-reduced over its group's lanes, then its codes.
-      const QuantArgs& q = quant_args(quant...);
-      const GlobalScale global = nvfp4_global_scale(q);
-      int round = 0;  // group_absmax's: kChunk (even) a chunk, so every row starts on buffer 0
-      for_each_chunk(std::true_type{}, [&](int64_t first, const bool (&valid)[kChunk], A (&h)[kChunk][kVec]) {
-#pragma unroll
-        for (int p = 0; p < kChunk; ++p, ++round) {
-          const int64_t unit = first + static_cast<int64_t>(p) * lanes;
-          float f[kVec] = {};
-          float absmax = 0.0f;
-          if (valid[p]) {
-            output_floats<Tin, Tw, kRms, A, kVec>(a, h[p], st, load_affine<Tw, kRms, A, kVec>(a, unit), f);
-#pragma unroll
-            for (int j = 0; j < kVec; ++j) absmax = quant::nan_max(absmax, fabsf(f[j]));
+            for (int j = 0; j < kVec; ++j) sum += h[0][j];
+            shift = sum * (A(1) / A(kVec));
           }
-          absmax = group_absmax(absmax, q.group_units, warp_absmax, round);
-          const quant::Scaling scaling =
-              group_scaling(q, global, row, unit / q.group_units, absmax, valid[p] && unit % q.group_units == 0);
-          store_group_codes<kVec>(q, row * a.units, unit, valid[p], f, scaling);
+          ThreadSums part[kChunk];
+#pragma unroll
+          for (int p = 0; p < kChunk; ++p) {
+            part[p] = ThreadSums{};
+            if (valid[p]) {
+#pragma unroll
+              for (int j = 0; j < kVec; ++j) {
+                const A d = h[p][j] - shift;
+                if constexpr (!kRms) part[p].v[0] += d;
+                part[p].v[kRms ? 0 : 1] += d * d;
+              }
+            }
+          }
+          static_assert(kChunk == 4, "the chunk's tree");
+          ThreadSums chunk = combine(combine(part[0], part[1]), combine(part[2], part[3]));
+          if (chunk.v[kRms ? 0 : 1] > std::numeric_limits<A>::max()) {
+            // Float squares overflow beyond |d| ~ 1.8e19 (ATen's float statistics give 0 or NaN there), or an
+            // infinity is held: this chunk's sums again in double, from the registers.
+#pragma unroll
+            for (int p = 0; p < kChunk; ++p) {
+              if (!valid[p]) continue;
+#pragma unroll
+              for (int j = 0; j < kVec; ++j) {
+                const double d = static_cast<double>(h[p][j]) - static_cast<double>(shift);
+                wide_first += d;
+                wide_second += d * d;
+              }
+            }
+            chunk = ThreadSums{};
+            went_wide = true;
+          }
+          sums.add(chunk);
         }
-      });
-      if (writer) zero_swizzle_padding(q, row);
-    } else {
-      // Quantized output: a pass for the absmax (dynamic scale), then one for the codes.
-      __shared__ AbsMax absmax_scratch[kMaxRowThreads / 32];
-      const QuantArgs& q = quant_args(quant...);
-      float absmax = 0.0f;
-      if (q.scale == nullptr) {
-        for_each_pack([&](int64_t unit, A (&h)[kVec]) {
-          absmax = fold_absmax<Tin, Tw, kRms, A, kVec>(a, h, st, load_affine<Tw, kRms, A, kVec>(a, unit), absmax);
-        });
       }
-      quant::Scaling scaling;
+
+      auto row_barrier = [&] {
+        if (cluster == 1) __syncthreads();
+        else cluster_sync();
+      };
+      // The row's statistics: one barrier (float64 rows: two).
+      RowStats<A> st;
+      const bool writer = me == 0;
       if constexpr (kDouble) {
-        scaling = row_scaling(q, row, writer, absmax, lanes, absmax_scratch);
+        const DoubleStat s = row_allreduce(welford.total(), lanes, double_scratch);
+        if constexpr (kRms) {
+          st = finish_stats<kRms>(a, row, writer, 0.0, 0.0, s.v[0]);
+        } else {
+          st = finish_stats<kRms>(a, row, writer, s.mean, 0.0, s.m2);
+        }
       } else {
-        // The row's absmax over its warps (of every block of the cluster), as its statistics (parity: already
-        // the next row's, a buffer of its own).
-        if (q.scale == nullptr) {
-          absmax = warp_allreduce(AbsMax{absmax}, 32).v;
-          const AbsMax* const parts = warp_absmax[parity];
-          if ((threadIdx.x & 31) == 0) warp_absmax[parity][threadIdx.x / 32] = AbsMax{absmax};
+        const ThreadSums total = sums.total();
+        // The warps' states of the row: those of block c at cluster_shared(states, c), warp w of the block at
+        // index w (warp c * kWarps + w of the row).
+        auto row_warp = [&](const auto* states, int i) {
+          return cluster == 1 ? states[i] : cluster_shared(states, static_cast<unsigned>(i / kWarps))[i % kWarps];
+        };
+        const int parts = lanes / 32;
+        const bool lane0 = (threadIdx.x & 31) == 0;
+        // A chunk whose float squares overflowed makes the row's float statistics infinite: the slow path, in double.
+        const S overflowed = went_wide ? std::numeric_limits<S>::infinity() : S(0);
+        if constexpr (kRms) {
+          const S squares = warp_allreduce(Sums<S, 1>{{total.v[0] + overflowed}}, 32).v[0];
+          if (lane0) warp_scratch[parity][threadIdx.x / 32] = Sums<S, 1>{{squares}};
           row_barrier();
-          absmax = 0.0f;
-          for (int i = 0; i < lanes / 32; ++i) {  // NaN wins: any order gives the same
-            const AbsMax part = cluster == 1 ? parts[i] : cluster_shared(parts, static_cast<unsigned>(i / kWarps))[i % kWarps];
-            absmax = quant::nan_max(absmax, part.v);
+          const S sum = merge_parts_sum<S>([&](int i) { return row_warp(warp_scratch[parity], i).v[0]; }, parts);
+          if (moments_finite(sum)) {
+            st = finish_stats<kRms>(a, row, writer, S(0), S(0), sum);
+          } else {
+            cold_path();
+            const double wide = warp_allreduce(Sums<double, 1>{{static_cast<double>(total.v[0]) + wide_second}}, 32).v[0];
+            if (lane0) wide_scratch[threadIdx.x / 32] = Sums<double, 1>{{wide}};
+            row_barrier();
+            const double wide_sum = merge_parts_sum<double>([&](int i) { return row_warp(wide_scratch, i).v[0]; }, parts);
+            st = finish_stats<kRms>(a, row, writer, 0.0, 0.0, wide_sum);
+          }
+        } else {
+          const A centre = __shfl_sync(0xffffffffu, shift, 0);
+          S first_sum = total.v[0], second_sum = total.v[1] + overflowed;
+          recentre<S>(static_cast<S>(thread_packs * kVec), shift, centre, first_sum, second_sum);
+          const Sums<S, 2> m = warp_allreduce(Sums<S, 2>{{first_sum, second_sum}}, 32);
+          if (lane0) warp_scratch[parity][threadIdx.x / 32] = ShiftedMoments<S>{static_cast<S>(warp_values), centre, m.v[0], m.v[1]};
+          row_barrier();
+          const RowMoments<S> mom = merge_shifted_moments(
+              [&](int i) { return row_warp(warp_scratch[parity], i); }, parts, static_cast<S>(a.inv_cols));
+          if (moments_finite(mom.m2)) {
+            st = finish_stats<kRms>(a, row, writer, mom.centre, mom.rest, mom.m2);
+          } else {
+            cold_path();
+            double first_wide = static_cast<double>(total.v[0]) + wide_first;
+            double second_wide = static_cast<double>(total.v[1]) + wide_second;
+            recentre<double>(static_cast<double>(thread_packs * kVec), shift, centre, first_wide, second_wide);
+            const Sums<double, 2> w = warp_allreduce(Sums<double, 2>{{first_wide, second_wide}}, 32);
+            if (lane0) wide_scratch[threadIdx.x / 32] = ShiftedMoments<double>{warp_values, centre, w.v[0], w.v[1]};
+            row_barrier();
+            const RowMoments<double> wide = merge_shifted_moments(
+                [&](int i) { return row_warp(wide_scratch, i); }, parts, a.inv_cols);
+            st = finish_stats<kRms>(a, row, writer, wide.centre, wide.rest, wide.m2);
           }
         }
-        scaling = row_scaling(q, row, writer, absmax, 1, absmax_scratch);  // lanes 1: the absmax is the row's
+        parity ^= 1;  // the next row's round writes the other half: no second barrier (every thread of the cluster
+                      // has read this half before it reaches the next row's barrier)
       }
-      for_each_pack([&](int64_t unit, A (&h)[kVec]) {
-        quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row * a.units + unit, h, st,
-                                               load_affine<Tw, kRms, A, kVec>(a, unit), scaling);
-      });
+
+      // Pass 2: normalize. Each pack's weight and bias are loaded right before their use (they hit L2): loaded for
+      // the whole chunk first, they took 128 registers and spilled (ptxas, sm_90, bfloat16 rows with float weights).
+      // This thread's share of the row again, a chunk at a time (from the stage, or re-read): body(first, valid, h).
+      // kBlockBounds: while any thread of the block has a chunk (a block-uniform loop, for butterflies in the body).
+      auto for_each_chunk = [&](auto block_bounds, auto&& body) {
+        constexpr bool kBlockBounds = decltype(block_bounds)::value;
+        for (int64_t first = me, slot = threadIdx.x; (kBlockBounds ? first - threadIdx.x : first) < a.units;
+             first += chunk_step, slot += slot_step) {
+          bool valid[kChunk];
+          chunk_valid(first, valid);
+          A h[kChunk][kVec];
+          reload(first, slot, valid, h);
+          body(first, valid, h);
+        }
+      };
+      // Every valid pack of this thread's share of the row again: body(unit, h).
+      auto for_each_pack = [&](auto&& body) {
+        for_each_chunk(std::false_type{}, [&](int64_t first, const bool (&valid)[kChunk], A (&h)[kChunk][kVec]) {
+#pragma unroll
+          for (int p = 0; p < kChunk; ++p) {
+            if (valid[p]) body(first + static_cast<int64_t>(p) * lanes, h[p]);
+          }
+        });
+      };
+      if constexpr (!kQuant) {
+        auto store_packs = [&](auto plain_tag) {
+          for_each_pack([&](int64_t unit, A (&h)[kVec]) {
+            normalize_store<Tin, Tw, kRms, A, kVec, decltype(plain_tag)::value>(
+                a, row, unit, h, st, load_affine<Tw, kRms, A, kVec>(a, unit), a.cast_before_weight);
+          });
+        };
+        if (!a.cast_before_weight && a.weight_offset == A(0)) store_packs(std::true_type{});
+        else store_packs(std::false_type{});
+      } else if (quant_args(quant...).group_units > 0) {
+        // Per group (a group's packs in lanes of one warp): one pass, its bounds the block's (the butterflies); each
+        // pack's absmax all-reduced over its group's lanes, then its codes.
+        const QuantArgs& q = quant_args(quant...);
+        const GlobalScale global = nvfp4_global_scale(q);
+        int round = 0;  // group_absmax's: kChunk (even) a chunk, so every row starts on buffer 0
+        for_each_chunk(std::true_type{}, [&](int64_t first, const bool (&valid)[kChunk], A (&h)[kChunk][kVec]) {
+#pragma unroll
+          for (int p = 0; p < kChunk; ++p, ++round) {
+            const int64_t unit = first + static_cast<int64_t>(p) * lanes;
+            float f[kVec] = {};
+            float absmax = 0.0f;
+            if (valid[p]) {
+              output_floats<Tin, Tw, kRms, A, kVec>(a, h[p], st, load_affine<Tw, kRms, A, kVec>(a, unit), f);
+#pragma unroll
+              for (int j = 0; j < kVec; ++j) absmax = quant::nan_max(absmax, fabsf(f[j]));
+            }
+            absmax = group_absmax(absmax, q.group_units, warp_absmax, round);
+            const quant::Scaling scaling =
+                group_scaling(q, global, row, unit / q.group_units, absmax, valid[p] && unit % q.group_units == 0);
+            store_group_codes<kVec>(q, row * a.units, unit, valid[p], f, scaling);
+          }
+        });
+        if (writer) zero_swizzle_padding(q, row);
+      } else {
+        // Quantized output: a pass for the absmax (dynamic scale), then one for the codes.
+        __shared__ AbsMax absmax_scratch[kMaxRowThreads / 32];
+        const QuantArgs& q = quant_args(quant...);
+        float absmax = 0.0f;
+        if (q.scale == nullptr) {
+          for_each_pack([&](int64_t unit, A (&h)[kVec]) {
+            absmax = fold_absmax<Tin, Tw, kRms, A, kVec>(a, h, st, load_affine<Tw, kRms, A, kVec>(a, unit), absmax);
+          });
+        }
+        quant::Scaling scaling;
+        if constexpr (kDouble) {
+          scaling = row_scaling(q, row, writer, absmax, lanes, absmax_scratch);
+        } else {
+          // The row's absmax over its warps (of every block of the cluster), as its statistics (parity: already
+          // the next row's, a buffer of its own).
+          if (q.scale == nullptr) {
+            absmax = warp_allreduce(AbsMax{absmax}, 32).v;
+            const AbsMax* const parts = warp_absmax[parity];
+            if ((threadIdx.x & 31) == 0) warp_absmax[parity][threadIdx.x / 32] = AbsMax{absmax};
+            row_barrier();
+            absmax = 0.0f;
+            for (int i = 0; i < lanes / 32; ++i) {  // NaN wins: any order gives the same
+              const AbsMax part = cluster == 1 ? parts[i] : cluster_shared(parts, static_cast<unsigned>(i / kWarps))[i % kWarps];
+              absmax = quant::nan_max(absmax, part.v);
+            }
+          }
+          scaling = row_scaling(q, row, writer, absmax, 1, absmax_scratch);  // lanes 1: the absmax is the row's
+        }
+        for_each_pack([&](int64_t unit, A (&h)[kVec]) {
+          quantize_store<Tin, Tw, kRms, A, kVec>(a, q, row * a.units + unit, h, st,
+                                                 load_affine<Tw, kRms, A, kVec>(a, unit), scaling);
+        });
+      }
     }
+  };
+  if constexpr (kRms && !kQuant && sizeof(Tin) == 2 && sizeof(Th) == 2 && sizeof(Tw) == 2) {
+    if (whole_chunks) each_row(std::true_type{});
+    else each_row(std::false_type{});
+  } else {
+    each_row(std::false_type{});
   }
   if (cluster > 1) cluster_sync();  // no block leaves while the others may still read its warps' states
 }

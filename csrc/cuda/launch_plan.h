@@ -38,6 +38,7 @@ struct LaunchPlan {
   int packs = 0;           // packs per lane (register paths; 0 on the long paths)
   int vec = 1;             // elements per pack
   bool staged = false;     // long forward: the row staged in shared memory
+  bool whole_chunks = false;  // long forward: units a multiple of kLongChunk x lanes (no thread's chunk partial)
   int cluster = 1;         // blocks per thread-block cluster (long forward on sm_90: the blocks of one row)
   bool persistent = false; // grid capped at the resident blocks, each block striding over rows
   int64_t row_groups = 0;  // rows / rows_per_block (long backward: / group_rows), rounded up

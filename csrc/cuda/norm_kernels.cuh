@@ -279,6 +279,7 @@ LaunchPlan plan_forward_vec(int64_t rows, int64_t cols, const DeviceLimits& devi
     plan.lanes = kMaxRowThreads * cluster;
     plan.threads = kMaxRowThreads;
     plan.staged = stage_bytes(cluster) <= budget;
+    plan.whole_chunks = units % (static_cast<int64_t>(kLongChunk) * plan.lanes) == 0;
     plan.dynamic_shared = kLongScratchBytes + (plan.staged ? static_cast<size_t>(stage_bytes(cluster)) : 0);
     plan.row_groups = rows;
     plan.grid = grid_for(rows * cluster) / cluster * cluster;  // whole clusters
@@ -474,10 +475,10 @@ bool launch_forward_vec(const NormForwardParams& p, bool strided, cudaStream_t s
                                             static_cast<int>(plan.dynamic_shared)));
       }
       if (plan.cluster == 1) {
-        LNX_LAUNCH(kernel, grid, plan.threads, plan.dynamic_shared, stream)(a, plan.staged, quant...);
+        LNX_LAUNCH(kernel, grid, plan.threads, plan.dynamic_shared, stream)(a, plan.staged, plan.whole_chunks, quant...);
       } else {
         launch_on_clusters(kernel, grid, plan.threads, plan.dynamic_shared, stream, static_cast<unsigned>(plan.cluster), a,
-                           plan.staged, quant...);
+                           plan.staged, plan.whole_chunks, quant...);
       }
     };
     if constexpr (kQuant) {

@@ -92,6 +92,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["packs"] = plan.packs;
         d["vec"] = plan.vec;
         d["staged"] = plan.staged;
+        d["whole_chunks"] = plan.whole_chunks;
         d["cluster"] = plan.cluster;
         d["dynamic_shared"] = plan.dynamic_shared;
         return d;
