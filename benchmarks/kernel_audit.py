@@ -217,7 +217,7 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         known[arch.param_base + SAVED_IS_OUTPUT_OFFSET] = 0
     elif not plan["packs"]:  # forward_long_kernel's `staged` and `whole_chunks`: the plan's
         known[arch.param_base + FORWARD_ARGS_BYTES] = int(plan["staged"])
-        known[arch.param_base + FORWARD_ARGS_BYTES + 1] = int(plan["whole_chunks"])
+        known[arch.param_base + FORWARD_ARGS_BYTES + 1] = int(plan.get("whole_chunks", False))
     used, unused = call_streams(op, direction)
     # The call's weight (and LayerNorm's bias) pointers are not null: the branches on them take that side. Left
     # undecided, a branch holding only arithmetic (no access to tell the sides apart) went by the fewest
@@ -242,11 +242,7 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         pointer_names = {address: [pointers[p] for p in sorted(params) if p in pointers]
                          for address, params in parameters.items()}
         stream = {address: names[0] if len(names) == 1 else None for address, names in pointer_names.items()}
-        # Loops the call runs: reached along the taken edges (a kernel with two copies of its row loop, one per body,
-        # runs one: forward_long_kernel's whole_chunks), their back edge taken.
-        reached = sass.reachable(successors)
-        all_loops = [loop for loop in sass.loops(blocks)
-                     if loop.latch in reached and loop.header in successors[loop.latch]]
+        all_loops = [loop for loop in sass.loops(blocks) if loop.header in successors[loop.latch]]  # back edge taken
         row_loops = [loop for loop in all_loops if first_stream in streams_of(blocks, stream, loop.blocks)
                      and any(i.op in ("SHFL", "BAR") for b in loop.blocks for i in blocks[b].instructions)]
         row_loop = max(row_loops, key=lambda loop: len(loop.blocks)) if row_loops else None

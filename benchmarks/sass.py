@@ -755,7 +755,8 @@ def decided_successors(blocks: list[Block], params: dict[int, int], specials: di
     those edges is dropped: the loop's first iteration decides its branches (block 0's first row of a loop over
     rows, whose induction variable would otherwise make every row index, and each test of it, unknown). The
     loop's exits stay open, the latch's branch and any other out of the loop (the loop still ends). `observe` sees each instruction with the state
-    before it (as the propagation visits it; tests read a thread's addresses with it)."""
+    before it (as the propagation visits it; tests read a thread's addresses with it). A BRA.DIV (to the out-of-line
+    form of a shuffle, vote or match, for a diverged warp) falls through: the audited call's warps run converged."""
     # Left open: the latch's branch and every other branch out of the loop (a loop tested at its top exits there).
     open_blocks = {b for latch, header in first_pass for b in range(header, latch + 1)
                if b == latch or any(s < header or s > latch for s in blocks[b].successors)}
@@ -785,10 +786,10 @@ def decided_successors(blocks: list[Block], params: dict[int, int], specials: di
         successors = list(block.successors)
         decidable = last.predicate and (last.is_jump or last.op == "EXIT") and "DIV" not in last.modifiers
         if last.op == "BRA" and "DIV" in last.modifiers:
-            # The out-of-line form of a shuffle, for a diverged warp: the audited call's warps run converged. Taken,
-            # its edge back into the code made a cycle through the row loop's back edge that looked like a larger
-            # loop (forward_long_kernel with two bodies: the row region became the wrong one).
-            successors = [s for s in successors if s == b + 1][:1]
+            # Taken, its edge back into the code made a cycle through the row loop's back edge that looked like a
+            # larger loop (forward_long_kernel with two bodies: the row region became the copy the call does not run).
+            assert b + 1 in successors, f"BRA.DIV at {last.address:#x} without a fall-through"
+            successors = [b + 1]
         elif decidable and b not in open_blocks:
             guard = _full(_value(last.predicate.lstrip("@"), state, params), 1)
             target = last.branch_target()

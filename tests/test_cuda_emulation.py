@@ -221,23 +221,24 @@ def _specs() -> list[Spec]:
     # A transposed input of 5125 channels (the channels-first kernel): its float sums of 640 squares per thread left
     # grad_weight at 6.5e-6 against ATen's 9.5e-7 (H200, 2026-12-04, and here, digit for digit).
     specs += [_spec("rms_norm", (3,), (5125,), dtype=dtype, wdtype=F32, x_layout="T") for dtype in (BF16, F16)]
-    # Long bfloat16 rows whose threads' chunks are all whole (forward_long_kernel's body without per-pack tests):
-    # staged by one block (32768) and on a cluster of 2 (65536).
+    # Long bfloat16 RMSNorm rows whose threads' chunks are all whole (forward_long_kernel's body without per-pack
+    # tests): staged by one block (32768), on a cluster of 2 (65536), read twice (2^20).
     specs += [
-        _spec(fn, (2,), (n,), dtype=BF16, wdtype=BF16) for n in LONG_WHOLE_NS for fn in ("layer_norm", "add_rms_norm")
+        _spec(fn, (2,), (n,), dtype=BF16, wdtype=BF16) for n in LONG_WHOLE_NS for fn in ("rms_norm", "add_rms_norm")
     ]
     return specs
 
 
-LONG_WHOLE_NS = (32768, 65536)
+LONG_WHOLE_NS = (32768, 65536, 1 << 20)
 
 
-def test_emulated_long_rows_take_both_bodies(emulated: ModuleType) -> None:
-    """The specs' long bfloat16 rows run both bodies of forward_long_kernel: whole chunks (LONG_WHOLE_NS) and a
-    partial last chunk (PATH_NS' 20000 and 40000)."""
-    for n, whole in [(n, True) for n in LONG_WHOLE_NS] + [(20000, False), (40000, False)]:
-        plan = emulated.launch_plan(False, False, BF16, BF16, BF16, 2, n)
-        assert plan["packs"] == 0 and plan["whole_chunks"] == whole, (n, plan)
+def test_emulated_long_rms_rows_plan_both_bodies(emulated: ModuleType) -> None:
+    """The specs' long bfloat16 RMSNorm rows are planned for both bodies of forward_long_kernel: whole chunks
+    (LONG_WHOLE_NS: staged, on a cluster, read twice) and a partial last chunk (PATH_NS' 20000 and 40000)."""
+    for n, whole, staged in [(32768, True, True), (65536, True, True), (1 << 20, True, False), (20000, False, True),
+                             (40000, False, True)]:
+        plan = emulated.launch_plan(True, False, BF16, BF16, BF16, 2, n)
+        assert (plan["packs"], plan["whole_chunks"], plan["staged"]) == (0, whole, staged), (n, plan)
 
 
 def _id(spec: Spec) -> str:

@@ -191,6 +191,21 @@ def test_branch_to_a_nop_lands_on_the_next_instruction():
     assert sass.decided_successors(blocks, {0x210: 1, 0x211: 0, 0x212: 0, 0x213: 0}) == [[2], [], []]
 
 
+def test_divergent_branch_falls_through():
+    """A BRA.DIV (to a shuffle's out-of-line form for a diverged warp) is not taken: the audited warps run converged,
+    and its block's edge back into the code (to 0x10 here) is no loop of the call's."""
+    blocks = sass.basic_blocks(_function("""
+0x00 MOV R0, RZ
+0x10 BRA.DIV UR4, 0x50
+0x20 SHFL.BFLY PT, R1, R0, 0x1, 0x1f
+0x30 EXIT
+0x50 MOV R2, RZ
+0x60 BRA 0x10
+"""))
+    assert [(b.start, b.successors) for b in blocks] == [(0x0, [1]), (0x10, [3, 2]), (0x20, []), (0x50, [1])]
+    assert sass.decided_successors(blocks, {}) == [[1], [2], [], []]
+
+
 def test_thread_integer_arithmetic_leaves_unknown_forms_unknown():
     """P2R.B1 puts P1 at bit 9, not 1; an IMAD.WIDE with a carry-in, a wrapping shift: forms _integer does not
     follow write nothing known."""

@@ -379,9 +379,9 @@ __device__ __forceinline__ S merge_warp_sums(const Sums<S, 1>* scratch, int warp
 // All-reduce over the `lanes` threads of one row with at most one barrier: butterflies inside the warp, then
 // (a row of several warps) one shared-memory round: lane w of each group of pow2(warps) lanes takes warp w's
 // value and the group adds them with butterflies, a fixed order that gives every thread the same bits.
-// `scratch` holds one Stat per warp; the caller alternates between two such buffers from row to row, so the
-// next row's writes never meet this row's reads and no second barrier is needed. Every thread of the block must
-// call it.
+// `scratch` holds one Stat per warp; no second barrier is needed where the next write to it cannot meet this
+// round's reads: the caller alternates between two such buffers from row to row, or (row_scaling's absmax) a
+// barrier of the block lies between (the next row's statistics' round). Every thread of the block must call it.
 template <typename Stat>
 __device__ __forceinline__ Stat row_allreduce_one_barrier(Stat s, int lanes, Stat* scratch) {
   s = warp_allreduce(s, lanes < 32 ? lanes : 32);
