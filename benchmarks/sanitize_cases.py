@@ -9,6 +9,8 @@ row); fp32 and bf16 (with bf16 also a float32 weight); LayerNorm and RMSNorm, ea
 forward and backward (the raw ops, so that every kernel runs once per case). Few rows per case: the sanitizer
 slows kernels down by orders of magnitude. Run it with PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that every tensor
 is its own allocation and an access past its end is reported instead of landing in a cached block.
+The quantized output (dynamic per-row fp8 scale, LayerNorm and RMSNorm): rows of several warps (N = 5120 bf16: 5,
+a warp count not a power of two) and a long row: the absmax's one barrier per row is racecheck's to confirm.
 Then every bad-argument case of tests/test_errors.py (forward and backward ops) on the device, after those valid
 calls and with inputs that require grad: each must raise its RuntimeError (on an H200 three of them once
 killed the process). Exits 0 when every call returned or raised as it should (the sanitizer's exit code says
@@ -76,6 +78,26 @@ def one_case(m: int, n: int, dtype: torch.dtype, wdtype: torch.dtype, rms: bool,
             raise RuntimeError(f"non-finite result for M={m} N={n} {dtype} rms={rms} residual={residual}")
 
 
+# (M, N) of the quantized cases: several warps per row (5120 bf16: 5 warps; 4096: 4) and a long row.
+QUANT_SHAPES = ((5, 5120), (3, 4096), (2, 65536))
+
+
+def quant_case(m: int, n: int, dtype: torch.dtype, rms: bool, device: str) -> None:
+    gen = torch.Generator().manual_seed(m * 7 + n)
+    x = (torch.randn(m, n, generator=gen) + 0.3).to(dtype).to(device)
+    w = (torch.randn(n, generator=gen) * 0.5 + 1.0).to(dtype).to(device)
+    fp8 = torch.float8_e4m3fn
+    if rms:
+        codes, scales, _ = ops.rms_norm_quant(x, [n], w, 1e-6, fp8)
+    else:
+        b = (torch.randn(n, generator=gen) * 0.5).to(dtype).to(device)
+        codes, scales, _ = ops.layer_norm_quant(x, [n], w, b, 1e-5, fp8)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    if codes.shape != (m, n) or not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()):
+        raise RuntimeError(f"quantized output: bad scales for M={m} N={n} {dtype} rms={rms}")
+
+
 def bad_calls(device: str) -> int:
     """Every bad-argument case of tests/test_errors.py on ``device``; returns how many raised as they should."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -128,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
                     one_case(m, n, dtype, wdtype, rms, residual, opts.device)
                     count += 1
         print(f"  N={n} M={m}: done ({time.perf_counter() - started:.1f} s)", flush=True)
+    for m, n in QUANT_SHAPES:
+        for dtype in (torch.bfloat16, torch.float32):
+            for rms in (False, True):
+                quant_case(m, n, dtype, rms, opts.device)
+                count += 1
+    print(f"  quantized output: done ({time.perf_counter() - started:.1f} s)", flush=True)
     raised = bad_calls(opts.device)
     print(f"sanitize_cases: {count} cases, every op forward and backward, and {raised} bad calls that raised, "
           f"{time.perf_counter() - started:.1f} s")
