@@ -222,23 +222,26 @@ def _specs() -> list[Spec]:
     # grad_weight at 6.5e-6 against ATen's 9.5e-7 (H200, 2026-12-04, and here, digit for digit).
     specs += [_spec("rms_norm", (3,), (5125,), dtype=dtype, wdtype=F32, x_layout="T") for dtype in (BF16, F16)]
     # Long bfloat16 RMSNorm rows whose threads' chunks are all whole (forward_long_kernel's body without per-pack
-    # tests): staged by one block (32768), on a cluster of 2 (65536), read twice (2^20).
-    specs += [
-        _spec(fn, (2,), (n,), dtype=BF16, wdtype=BF16) for n in LONG_WHOLE_NS for fn in ("rms_norm", "add_rms_norm")
-    ]
+    # tests): staged by one block (32768), on a cluster of 2 (65536) or of 8 (2^18: chosen for whole chunks where 6
+    # could stage it), read twice (2^20); with a residual at the first two.
+    specs += [_spec("rms_norm", (2,), (n,), dtype=BF16, wdtype=BF16) for n in LONG_WHOLE_NS]
+    specs += [_spec("add_rms_norm", (2,), (n,), dtype=BF16, wdtype=BF16) for n in LONG_WHOLE_NS[:2]]
     return specs
 
 
-LONG_WHOLE_NS = (32768, 65536, 1 << 20)
+LONG_WHOLE_NS = (32768, 65536, 1 << 18, 1 << 20)
 
 
 def test_emulated_long_rms_rows_plan_both_bodies(emulated: ModuleType) -> None:
     """The specs' long bfloat16 RMSNorm rows are planned for both bodies of forward_long_kernel: whole chunks
     (LONG_WHOLE_NS: staged, on a cluster, read twice) and a partial last chunk (PATH_NS' 20000 and 40000)."""
-    for n, whole, staged in [(32768, True, True), (65536, True, True), (1 << 20, True, False), (20000, False, True),
-                             (40000, False, True)]:
+    for n, whole, staged in [(32768, True, True), (65536, True, True), (1 << 18, True, True), (1 << 20, True, False),
+                             (20000, False, True), (40000, False, True)]:
         plan = emulated.launch_plan(True, False, BF16, BF16, BF16, 2, n)
         assert (plan["packs"], plan["whole_chunks"], plan["staged"]) == (0, whole, staged), (n, plan)
+    # 2^18 stages on 6 blocks of the emulated GPU; RMSNorm takes 8, the fewest that make its chunks whole.
+    rms, layer = (emulated.launch_plan(rms, False, BF16, BF16, BF16, 2, 1 << 18) for rms in (True, False))
+    assert (rms["cluster"], rms["whole_chunks"], layer["cluster"], layer["whole_chunks"]) == (8, True, 6, False)
 
 
 def _id(spec: Spec) -> str:
@@ -616,7 +619,8 @@ def _traffic(emulated: ModuleType, run) -> list[tuple[int, int, int, int]]:
 
 
 # The forward beyond them: long rows staged by one block (20000 floats: 80 KB of the emulated 100 KiB) or split
-# over a cluster (40000 floats on 2 blocks; 2^18 on 11 (float32) or 6 (bfloat16) blocks), up to the audit's largest N.
+# over a cluster (40000 floats on 2 blocks; 2^18 on 11 (float32) or 6 (bfloat16) blocks, bfloat16 RMSNorm on 8: its
+# chunks whole), up to the audit's largest N.
 FORWARD_TRAFFIC_NS = (*TRAFFIC_NS, 65536, 1 << 18)
 
 

@@ -815,6 +815,10 @@ constexpr int kLongChunk = 4;
 // shared memory.
 constexpr size_t kLongStaticShared = (sizeof(Welford<double>) + sizeof(AbsMax)) * (kMaxRowThreads / 32);
 constexpr size_t kLongScratchBytes = 2 * (sizeof(ShiftedMoments<double>) + sizeof(AbsMax)) * (kMaxRowThreads / 32);
+// Whether forward_long_kernel has the body without per-pack tests (whole chunks): RMSNorm of 16-bit rows and
+// weights (its quantized variants keep one body). The planner prefers clusters that make the chunks whole for them.
+template <typename Tin, typename Th, typename Tw, bool kRms>
+constexpr bool kLongWholeBody = kRms && sizeof(Tin) == 2 && sizeof(Th) == 2 && sizeof(Tw) == 2;
 
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, typename... Quant>
 __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArgs<acc_t<Th>> a, bool staged,
@@ -1152,7 +1156,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       }
     }
   };
-  if constexpr (kRms && !kQuant && sizeof(Tin) == 2 && sizeof(Th) == 2 && sizeof(Tw) == 2) {
+  if constexpr (kLongWholeBody<Tin, Th, Tw, kRms> && !kQuant) {
     if (whole_chunks) each_row(std::true_type{});
     else each_row(std::false_type{});
   } else {

@@ -274,6 +274,17 @@ LaunchPlan plan_forward_vec(int64_t rows, int64_t cols, const DeviceLimits& devi
       int fits = 2;
       while (fits <= kMaxCluster && stage_bytes(fits) > budget) ++fits;
       if (fits <= kMaxCluster) cluster = fits;
+      // Where the kernel has a body for whole chunks, the fewest blocks that make them whole, if any do (bf16
+      // RMSNorm of 2^18 on sm_90: 4 blocks where 3 can stage it, 14.8 -> 11.6 instructions per element). The
+      // quantized output plans alike: its codes come of the same statistics.
+      if constexpr (kLongWholeBody<Tin, Th, Tw, kRms>) {
+        for (int c = cluster; fits <= kMaxCluster && c <= kMaxCluster; ++c) {
+          if (units % (static_cast<int64_t>(kLongChunk) * kMaxRowThreads * c) == 0) {
+            cluster = c;
+            break;
+          }
+        }
+      }
     }
     plan.cluster = cluster;
     plan.lanes = kMaxRowThreads * cluster;
