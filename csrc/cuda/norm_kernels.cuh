@@ -265,6 +265,10 @@ LaunchPlan plan_forward_vec(int64_t rows, int64_t cols, const DeviceLimits& devi
       const int64_t row_threads = static_cast<int64_t>(kMaxRowThreads) * cluster;
       return (units + row_threads - 1) / row_threads * kMaxRowThreads * static_cast<int64_t>(kVec * sizeof(Th));
     };
+    // Every thread's chunks of kLongChunk packs whole (the kernel's whole_chunks).
+    auto whole_chunks = [&](int cluster) {
+      return units % (static_cast<int64_t>(kLongChunk) * kMaxRowThreads * cluster) == 0;
+    };
     // A row that one block cannot stage goes to the fewest blocks of a cluster (2 to kMaxCluster) that can: each
     // input element is then read from DRAM once. sm_90 only; not for float64 rows (their Welford all-reduce).
     // The quantized output takes the same mapping as the plain one (its codes are those of the plain output).
@@ -273,16 +277,15 @@ LaunchPlan plan_forward_vec(int64_t rows, int64_t cols, const DeviceLimits& devi
         device.has_clusters(reinterpret_cast<const void*>(forward_long_kernel<Tin, Th, Tw, kRms, kVec>))) {
       int fits = 2;
       while (fits <= kMaxCluster && stage_bytes(fits) > budget) ++fits;
-      if (fits <= kMaxCluster) cluster = fits;
-      // Where the kernel has a body for whole chunks, the fewest blocks that make them whole, if any do (bf16
-      // RMSNorm of 2^18 on sm_90: 4 blocks where 3 can stage it, 14.8 -> 11.6 instructions per element). The
-      // quantized output plans alike: its codes come of the same statistics.
-      if constexpr (kLongWholeBody<Tin, Th, Tw, kRms>) {
-        for (int c = cluster; fits <= kMaxCluster && c <= kMaxCluster; ++c) {
-          if (units % (static_cast<int64_t>(kLongChunk) * kMaxRowThreads * c) == 0) {
-            cluster = c;
-            break;
-          }
+      if (fits <= kMaxCluster) {
+        cluster = fits;
+        // Where the kernel has a body for whole chunks, the fewest blocks that make them whole, if any do (bf16
+        // RMSNorm of 2^18 on sm_90: 4 blocks where 3 can stage it, 14.8 -> 11.6 instructions per element). The
+        // quantized output plans alike: its codes come of the same statistics.
+        if constexpr (kLongWholeBody<Tin, Th, Tw, kRms>) {
+          int whole = fits;
+          while (whole <= kMaxCluster && !whole_chunks(whole)) ++whole;
+          if (whole <= kMaxCluster) cluster = whole;
         }
       }
     }
@@ -290,7 +293,7 @@ LaunchPlan plan_forward_vec(int64_t rows, int64_t cols, const DeviceLimits& devi
     plan.lanes = kMaxRowThreads * cluster;
     plan.threads = kMaxRowThreads;
     plan.staged = stage_bytes(cluster) <= budget;
-    plan.whole_chunks = units % (static_cast<int64_t>(kLongChunk) * plan.lanes) == 0;
+    plan.whole_chunks = whole_chunks(cluster);
     plan.dynamic_shared = kLongScratchBytes + (plan.staged ? static_cast<size_t>(stage_bytes(cluster)) : 0);
     plan.row_groups = rows;
     plan.grid = grid_for(rows * cluster) / cluster * cluster;  // whole clusters
