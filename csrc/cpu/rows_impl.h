@@ -33,9 +33,10 @@
 // vector (RMSNorm: x^2); only if s turns out far from the mean (rarely) a second pass from cache sums about
 // the mean. The mean is kept as hi + lo (two floats) so that mean-1e4 / std-1e-2 rows stay exact; the last
 // pass re-reads the row from cache, normalizes and stores. Backward, per group of kRowGroup rows: each row's
-// sums of g, g * d and d (d = x - the forward's mean, g = dy * weight) from memory, two rows at a time, then
-// dx and the dweight / dbias terms column block by column block from cache, two rows at a time (their
-// dweight / dbias terms summed in registers before one read-modify-write of the partial sums).
+// sums of g, g * d and d (d = x - the forward's mean, g = dy * weight) from memory, two rows at a time, with
+// their dweight / dbias terms (from the stored mean, as ATen's), then dx column block by column block from cache,
+// two rows at a time (short rows of 16-bit types take their dweight / dbias terms there instead, summed in
+// registers for the two rows before one read-modify-write of the partial sums).
 // Registers hold two vector accumulators per sum; float sums are flushed into double vectors every
 // kFlushVectors vectors and the lanes added at the end of the row.
 #include <cstdint>
