@@ -44,7 +44,6 @@ constexpr int64_t kParallelGrainElems = 1 << 15;  // elements per parallel task 
 constexpr int64_t kSplitMaxRows = 4;
 constexpr int64_t kSplitMinCols = 1 << 16;
 constexpr int64_t kSegmentCols = 1 << 14;
-constexpr int64_t kSplitBlockBytes = 512 * 1024;  // x and dy of a block of split rows: about a quarter of L2
 // Backward partials: up to kMaxChunks chunks of at least kMinChunkRows rows, chunks * cols <= kMaxPartialElems
 // (each partial row is read and written once per row of its chunk, so it should stay in cache).
 constexpr int64_t kMaxChunks = 64;
@@ -595,7 +594,7 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
 
   if (split_backward(rows, cols, chunks)) {
     // Each row's column ranges in parallel, rows in blocks whose x and dy fit in about a quarter of L2
-    // (kSplitBlockBytes), two parallel passes per block: the three sums of every (row, range), added per row in a
+    // (kRowGroupBytes), two parallel passes per block: the three sums of every (row, range), added per row in a
     // fixed order; then dx and the dweight / dbias terms, parallel over ranges, each range taking the rows in
     // order into its columns of the block partial and the chunk's double partial. (Both passes over all rows at
     // once read every row twice from beyond L2: 4 x 65536 float32, 1 thread, 0.65x ATen.)
@@ -605,7 +604,7 @@ void backward_with(const NormBackwardParams& p, const RowKernels& k, const Backw
     const int64_t ranges = (cols + kSegmentCols - 1) / kSegmentCols;
     const int64_t row_bytes =
         cols * static_cast<int64_t>(c10::elementSize(p.saved_type) + c10::elementSize(p.out_type));
-    const int64_t block_rows = std::max<int64_t>(1, kSplitBlockBytes / row_bytes);
+    const int64_t block_rows = std::max<int64_t>(1, kRowGroupBytes / row_bytes);
     std::vector<double> range_sums(3 * block_rows * ranges);
     std::vector<std::array<double, 3>> row_sums(block_rows);
     ScratchLease<P, kBlockDweightSlot> block_dweight;

@@ -70,6 +70,9 @@ constexpr int64_t kFloatBackwardMinCols = 64;
 static constexpr bool backward_computes_in_float(bool saved_is_double, bool grad_is_double, int64_t cols) {
   return !saved_is_double && !grad_is_double && cols >= kFloatBackwardMinCols;
 }
+// The backward reads x and dy of this many bytes of rows from memory, then again from cache (a group of rows in
+// rows_backward.h, a block of the split rows in norm_kernel.cpp): about a quarter of L2.
+constexpr int64_t kRowGroupBytes = 512 * 1024;
 
 struct BackwardRows {
   const void* grad_out;

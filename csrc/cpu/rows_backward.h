@@ -148,7 +148,6 @@ bool use_float(int64_t cols) {
 // terms (ATen's order: xhat from the stored mean needs no sums first) but for short rows of 16-bit types (see
 // backward_rows_as), then dx vector by vector across the group's rows (re-read from cache), with those rows' terms.
 constexpr int64_t kRowGroup = 8;
-constexpr int64_t kRowGroupBytes = 512 * 1024;
 constexpr int64_t kColumnBlock = 2048;
 
 // One group's rows, located once for both passes (their operands' rows and statistics).
