@@ -265,7 +265,7 @@ void rows_block(int64_t c0, int64_t c1, const C* weight, const C* bias, const S*
 // overwrite). Otherwise the sums pass added dy * (x - center) * s into dweight, without xhat's correction
 // xoffset = -delta * s: where that is beyond C's rounding in some row of the group (|xoffset| > 2^-24 in float:
 // rows far from their float mean; the huge-mean rows of test_nonfinite lost 1.5x ATen's accuracy without it),
-// dy * xoffset is added here.
+// dy * xoffset of every row of the group is added here (one read-modify-write per pair of rows).
 template <bool kSavedOut, bool kResidual, class S, class G, class C>
 void apply_group_as(const BackwardRows& a, const RowGroup<S, G, C>& rows, const C* weight, const C* bias,
                     const BackwardCoefficients* coefficients, C* dweight, C* dbias, bool terms_here, bool overwrite) {
