@@ -153,14 +153,14 @@ constexpr int64_t kColumnBlock = 2048;
 // One group's rows, located once for both passes (their operands' rows and statistics).
 template <class S, class G, class C>
 struct RowGroup {
-  int64_t first, count;
+  int64_t count;
   const S* saved[kRowGroup];
   const G* dy[kRowGroup];
   const S* residual[kRowGroup];
   S* dx[kRowGroup];
   double rstd[kRowGroup], center[kRowGroup];
 
-  RowGroup(const BackwardRows& a, int64_t first_row, int64_t rows) : first(first_row), count(rows) {
+  RowGroup(const BackwardRows& a, int64_t first, int64_t rows) : count(rows) {
     for (int64_t i = 0; i < count; ++i) {
       const BackwardRow<S, G, C> r(a, first + i, nullptr, nullptr);
       saved[i] = r.saved;
