@@ -169,6 +169,7 @@ class PathFigures:
     instructions: float = 0.0  # per thread per row
     fp64: float = 0.0
     barriers: float = 0.0
+    shuffles: float = 0.0  # SHFL, per thread per row: the reductions' steps
     element_bytes: float = 0.0  # per thread per row, streams of ELEMENT_STREAMS
     loads_before_use: int = 0  # peak bytes per thread of global loads issued and not yet consumed
     row_loads_before_use: int = 0  # the same, loads of ELEMENT_STREAMS only (DRAM; weight / bias hit L2)
@@ -222,9 +223,11 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     # The call's weight (and LayerNorm's bias) pointers are not null: the branches on them take that side. Left
     # undecided, a branch holding only arithmetic (no access to tell the sides apart) went by the fewest
     # instructions, i.e. without the weight's multiply and the bias' add (FMUL 35 for the 32 values of a bf16
-    # LayerNorm forward thread at N = 2048, where the weight alone needs 32 more).
-    for name in ("weight", "bias"):
-        if name in used:
+    # LayerNorm forward thread at N = 2048, where the weight alone needs 32 more). So are the backward's partial
+    # dweight (and dbias) buffers: left undecided, the path went around the row's dweight and dbias terms, held in
+    # registers (3 instructions per element of the bf16 LayerNorm backward, uncounted until 2026-12-05).
+    for name in ("weight", "bias", "partial_dweight", "partial_dbias"):
+        if name in used and name in pointers_list:
             offset = arch.param_base + 8 * pointers_list.index(name)
             known.update(parameter_bytes(offset, NON_NULL_POINTER, 8))
     lanes, threads = plan["lanes"], plan["threads"]
@@ -259,8 +262,18 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         for name, (offset, size) in fields.items():
             known.update(parameter_bytes(arch.param_base + offset, args[name], size))
         known.update(parameter_bytes(BLOCK_DIM_X_OFFSET, args["threads"], 4))
-        first_pass = frozenset({(row_loop.latch, row_loop.header)}) if row_loop else frozenset()
-        blocks, successors, pointer_names, stream, all_loops, row_loop = attribute(THREAD, first_pass)
+        # The first pass of the loop over rows that the call runs. With the arguments known, a kernel of two bodies
+        # (forward_rows_kernel's full-row one and its general one) keeps one loop only, maybe not the larger one that
+        # the parameters alone left: taken again until the loop stays the same (with the other body's back edge
+        # dropped, the row index of the one run arrived unknown, its tests stayed open, and the path went around
+        # the LayerNorm statistics' sums of d and d^2: bf16 N = 2048 counted 19.3 instructions per element).
+        first_pass: frozenset = frozenset()
+        for _ in range(4):
+            wanted = frozenset({(row_loop.latch, row_loop.header)}) if row_loop else frozenset()
+            if wanted == first_pass:
+                break
+            first_pass = wanted
+            blocks, successors, pointer_names, stream, all_loops, row_loop = attribute(THREAD, first_pass)
     # Guard: every access the audited call can run (its blocks reachable along the taken edges) has one pointer; an
     # access of none would be left out of the figures, and could steer the path away from the code it lies in.
     reachable = sass.reachable(successors)
@@ -288,9 +301,27 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
     def folds_absmax(loop: sass.Loop) -> bool:  # quant::nan_max: FSETP.NAN, FSETP.GT.OR, FSEL per state
         return any(i.opcode.startswith("FSETP.NAN") for b in loop.blocks for i in blocks[b].instructions)
 
+    # The instructions of the row region in address order: what a shuffle loop reduces is told by what precedes it.
+    region_instructions = [i for b in region for i in blocks[b].instructions]
+    region_position = {i.address: k for k, i in enumerate(region_instructions)}
+
+    def over_warps(loop: sass.Loop) -> bool:
+        """A shuffle loop that adds the warps' states (merge_shifted_moments, merge_warp_sums,
+        row_allreduce_one_barrier after its round): the nearest shared-memory access or shuffle before it is a read
+        of shared memory (LDS; LD, the distributed shared memory of a cluster). Its width is pow2(warps of the row)
+        lanes, not 32: log2 of that many steps (a row of 2 warps takes 1, where 5 were counted until 2026-12-05)."""
+        if not row_spans_warps:
+            return False
+        for i in reversed(region_instructions[:region_position[blocks[loop.header].start]]):
+            if i.op in ("LDS", "LD"):
+                return True
+            if i.op in ("SHFL", "STS", "BAR") or i.op in CLUSTER_BARRIERS:
+                return False
+        return False
+
     def kind(loop: sass.Loop) -> str:
         if any(has(blocks[b], ("SHFL",)) for b in loop.blocks):
-            return "shuffle"
+            return "warp-states" if over_warps(loop) else "shuffle"
         if streams_in(loop.blocks) or any(has(blocks[b], ("STS",)) for b in loop.blocks):
             return "column"
         if direction == "forward_quant" and folds_absmax(loop):
@@ -306,12 +337,14 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         if k.startswith("absmax"):  # warps' states per iteration
             return sum(1 for b in loop.blocks for i in blocks[b].instructions if i.opcode.startswith("FSETP.NAN"))
         ops = {"column": sass.GLOBAL_LOADS + sass.GLOBAL_STORES + ("LDS", "STS"), "shuffle": ("SHFL",),
+               "warp-states": ("SHFL",),
                "merge": ("LDS",), "other": ()}[k]
         return sum(1 for b in loop.blocks for i in blocks[b].instructions if i.op in ops) or 1
 
     trips = {
         "column": -(-units // (threads * cluster)),
         "shuffle": int(math.log2(min(lanes, 32))) if lanes > 1 else 0,
+        "warp-states": (min(32, 1 << (max(1, lanes // 32) - 1).bit_length())).bit_length() - 1,  # pow2_at_least
         "merge": -(-(lanes // 32) // 32),  # a lane takes every 32nd warp's state (merge_shifted_moments)
         "other": 1,
         "absmax": lanes // 32,
@@ -325,7 +358,8 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         k = kind(loop)
         if groups and kind(groups[-1][-1]) == k:
             between = range(max(groups[-1][-1].blocks) + 1, loop.header)
-            if not any(has(blocks[b], ("BAR", "SHFL")) or streams_in([b]) for b in between):
+            # (a read of shared memory between: two rounds of a merge of the warps' states, not a remainder loop)
+            if not any(has(blocks[b], ("BAR", "SHFL", "LDS", "LD")) or streams_in([b]) for b in between):
                 groups[-1].append(loop)
                 continue
         groups.append([loop])
@@ -459,6 +493,7 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
             figures.instructions += weight
             figures.fp64 += weight if i.is_fp64 else 0.0
             figures.barriers += weight if i.op in ("BAR", CLUSTER_BARRIER_WAIT) else 0.0
+            figures.shuffles += weight if i.op == "SHFL" else 0.0
             if skipped(i):
                 continue
             s = stream.get(i.address)

@@ -673,3 +673,59 @@ def test_quantized_path_is_the_dynamic_e4m3fn_one(quantized_sm90, case, values, 
     assert figures.barriers == barriers
     elements = cols / plan["lanes"]
     assert figures.element_bytes / elements == pytest.approx(kernel_audit.ELEMENT_BYTES[dtype] + 1)
+
+
+@pytest.fixture(scope="module")
+def rows_sm90():
+    """(op, dtype, direction, cols) -> (function, plan) of register-path kernels the sm_90 plan names (rows of
+    several warps)."""
+    cases = [("layer_norm", "bfloat16", "forward", 2048), ("layer_norm", "bfloat16", "forward", 8192),
+             ("rms_norm", "bfloat16", "forward", 2048), ("layer_norm", "bfloat16", "backward", 4096)]
+    plans = {case: _with_arguments(_plan(op=case[0], input_dtype=case[1], direction=case[2], cols=case[3], rows=1024,
+                                         compute_capability=90, blocks_per_sm=2), 1024, case[3]) for case in cases}
+    functions = _sm90_functions({plan["kernel"] for plan in plans.values()}, "plain")
+    return {case: (functions[plan["kernel"]], plan) for case, plan in plans.items()}
+
+
+def _path_op_count(function: sass.Function, path: list[int], op: str) -> int:
+    blocks = sass.basic_blocks(function)
+    return sum(i.op == op for b in path for i in blocks[b].instructions)
+
+
+@pytest.mark.parametrize("case", [("layer_norm", "bfloat16", "forward", 2048), ("layer_norm", "bfloat16", "forward", 8192)])
+def test_register_forward_path_holds_every_term(rows_sm90, case):
+    """The full-row body's path: 3 fused multiply-adds per value at least (d^2, xhat, the affine). The audit took the
+    general body's loop for the row loop and the full-row body's row index stayed unknown: the path went around
+    the tests of it, and with them the sums of d and d^2 (67 FFMA for 32 values, 19.3 instructions per element
+    where 22.3 were run)."""
+    op, _, direction, cols = case
+    function, plan = rows_sm90[case]
+    figures = kernel_audit.analyze_row_path(function, SM90, plan, op, direction)
+    assert _path_op_count(function, figures.path, "FFMA") >= 3 * cols // plan["lanes"]
+
+
+@pytest.mark.parametrize(("case", "in_warp"), [(("layer_norm", "bfloat16", "forward", 2048), 15),
+                                               (("layer_norm", "bfloat16", "forward", 8192), 15),
+                                               (("rms_norm", "bfloat16", "forward", 2048), 5)])
+def test_merge_of_warps_counts_log2_warps_steps(rows_sm90, case, in_warp):
+    """Shuffles per row: the warp's butterflies (LayerNorm: the shift's sum, then sum(d) and sum(d^2); RMSNorm: the
+    sum of squares), 5 steps a value, then the merge of the warps' states over pow2(warps) lanes, log2(warps) steps
+    per merged value (LayerNorm merges two: the mean's rest, then M2). Until 2026-12-05 the merge counted 5 steps."""
+    op, _, direction, cols = case
+    function, plan = rows_sm90[case]
+    figures = kernel_audit.analyze_row_path(function, SM90, plan, op, direction)
+    warps = plan["lanes"] // 32
+    assert warps > 1
+    merged = 1 if op == "rms_norm" else 2
+    assert figures.shuffles == in_warp + merged * (warps.bit_length() - 1)
+
+
+def test_backward_path_adds_dweight_and_dbias(rows_sm90):
+    """The backward's partial dweight / dbias buffers are given (the audited call wants both): the path takes the
+    branches that add each value's dweight (a multiply and a fused multiply-add) and dbias (an add) terms in
+    registers. Undecided, it went around them (3 instructions per element fewer)."""
+    function, plan = rows_sm90[("layer_norm", "bfloat16", "backward", 4096)]
+    figures = kernel_audit.analyze_row_path(function, SM90, plan, "layer_norm", "backward")
+    values = 4096 // plan["lanes"]
+    # per value: sum(g d) in the sums pass; dx's two (dy * w - mean_g, fused, and the centred term); dweight's
+    assert _path_op_count(function, figures.path, "FFMA") >= 4 * values
