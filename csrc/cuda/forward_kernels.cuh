@@ -138,9 +138,15 @@ __device__ __forceinline__ RawPack<Tw, kVec> raw_filled(Tw v) {
 
 // LayerNorm's absent weight reads as ones and its absent bias as -0 (y = xhat * 1 + -0 is xhat, its sign kept), so
 // that normalize_pack applies both with one fused multiply-add and no branch; RMSNorm's absent weight is a branch.
-template <typename Tw, bool kRms, typename A, int kVec>
+// kPresent: the caller has tested that the weight (and LayerNorm's bias) are given (plain_output): plain loads.
+template <typename Tw, bool kRms, typename A, int kVec, bool kPresent = false>
 __device__ __forceinline__ AffinePack<Tw, kVec> load_affine(const ForwardArgs<A>& a, int64_t col_unit) {
   AffinePack<Tw, kVec> wb{};
+  if constexpr (kPresent) {
+    wb.weight = reinterpret_cast<const RawPack<Tw, kVec>*>(a.weight)[col_unit];
+    if constexpr (!kRms) wb.bias = reinterpret_cast<const RawPack<Tw, kVec>*>(a.bias)[col_unit];
+    return wb;
+  }
   if constexpr (!kRms) {
     wb.weight = raw_filled<Tw, kVec>(from_acc<Tw>(A(1)));
     wb.bias = raw_filled<Tw, kVec>(from_acc<Tw>(-A(0)));
@@ -157,7 +163,8 @@ __device__ __forceinline__ AffinePack<Tw, kVec> load_affine(const ForwardArgs<A>
 // small, rounded once per row) and y = fma(xhat, weight + weight_offset, bias), with load_affine's ones and -0 for an
 // absent weight or bias: two roundings after h - shift where the separate steps took four, and no branch on them.
 // A weight_offset of 0 is not added (a weight of -0 keeps its sign, as in ATen). kPlain: the caller has tested
-// that neither `cast` nor the offset applies (nn.LayerNorm, nn.RMSNorm), once per row rather than per pack.
+// (plain_output) that neither `cast` nor the offset applies and that the weight (and LayerNorm's bias) are given
+// (nn.LayerNorm, nn.RMSNorm), once per row rather than per pack.
 template <typename Tin, typename Tw, bool kRms, typename A, int kVec, bool kPlain = false>
 __device__ __forceinline__ void normalize_pack(const ForwardArgs<A>& a, const A (&h)[kVec], const RowStats<A>& st,
                                                const AffinePack<Tw, kVec>& wb, bool cast, A (&y)[kVec]) {
@@ -166,7 +173,7 @@ __device__ __forceinline__ void normalize_pack(const ForwardArgs<A>& a, const A 
   if constexpr (kRms) {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) y[j] = h[j] * st.rstd;
-    if (a.weight != nullptr) {
+    if (kPlain || a.weight != nullptr) {
       if (cast) {
 #pragma unroll
         for (int j = 0; j < kVec; ++j) y[j] = to_acc<A>(from_acc<Tin>(y[j]));
@@ -199,6 +206,13 @@ __device__ __forceinline__ void normalize_pack(const ForwardArgs<A>& a, const A 
       }
     }
   }
+}
+
+// Whether a row's output takes normalize_pack's kPlain form: no cast before the weight, a weight_offset of 0, the
+// weight (and LayerNorm's bias) given; tested once per row, and the weight and bias then loaded without tests.
+template <bool kRms, typename A>
+__device__ __forceinline__ bool plain_output(const ForwardArgs<A>& a) {
+  return !a.cast_before_weight && a.weight_offset == A(0) && a.weight != nullptr && (kRms || a.bias != nullptr);
 }
 
 // out for one pack, at out's unit out_unit.
@@ -371,12 +385,24 @@ __device__ __forceinline__ S magnitude(S v) {
   return v < S(0) ? -v : v;
 }
 
-template <bool kRms, typename A, typename S1, typename S2>
+// The row's statistics from its mean, centre + rest, and M2 (RMSNorm: its sum of squares); lane 0 (writer) stores
+// them. The output's RowStats: about the mean (shift: the mean rounded, corr: what the rounding lost, by a two-sum),
+// or (kAbout: the caller's values are d = h - about, LayerNorm's 16-bit rows) shift 0 and corr the mean less `about`,
+// (centre - about) + rest, both small against the mean and exact to a rounding.
+template <bool kRms, bool kAbout = false, typename A, typename S1, typename S2>
 __device__ __forceinline__ RowStats<A> finish_stats(const ForwardArgs<A>& a, int64_t row, bool writer, S1 centre,
-                                                    S1 rest, S2 m2) {
+                                                    S1 rest, S2 m2, A about = A(0)) {
   RowStats<A> st{A(0), A(0), A(0)};
   const double mean_square = static_cast<double>(m2 < S2(0) ? S2(0) : m2);  // NaN stays NaN: it poisons the row
   st.rstd = static_cast<A>(::rsqrt(::fma(mean_square, a.inv_cols, a.eps)));
+  if constexpr (kAbout) {
+    if (writer && a.rstd != nullptr) {
+      a.mean[row] = static_cast<A>(centre + rest);
+      a.rstd[row] = st.rstd;
+    }
+    st.corr = static_cast<A>((centre - static_cast<S1>(about)) + rest);
+    return st;
+  }
   if constexpr (!kRms) {
     const bool centre_larger = magnitude(centre) >= magnitude(rest);
     const S1 big = centre_larger ? centre : rest, small = centre_larger ? rest : centre;
@@ -474,9 +500,10 @@ constexpr bool early_affine() {
 // issued before the first use of any of them, as raw bits; the conversions follow (the residual's dtype is
 // dispatched once per row, outside the pack loops), so that a thread keeps all its packs in flight (with the unpack
 // of each pack and a run-time residual branch between two loads, a bfloat16 thread kept one 16-byte load in flight).
-// Statistics, per warp first (no barrier): LayerNorm all-reduces the warp's sum for a shift (its mean, rounded),
-// then the sums of d = h - shift and d^2 (exact centring: no Welford divisions, and a variance free of the
-// mean's rounding); RMSNorm the sum of squares. Each lane adds its own values in the compute type. A row in one
+// Statistics, per warp first (no barrier): LayerNorm all-reduces the warp's sum for a shift (its mean, rounded; of
+// its lanes' first packs for 16-bit rows), then the sums of d = h - shift and d^2 (exact centring: no Welford
+// divisions, and a variance free of the mean's rounding; 16-bit rows keep d in place of h for the output);
+// RMSNorm the sum of squares. Each lane adds its own values in the compute type. A row in one
 // (sub-)warp is done there, the lanes' sums of squares added in double (no later round could redo an overflowed
 // float sum). A row of several warps adds them in the compute type, takes one shared-memory round
 // (double-buffered by row parity: one barrier per row) and merges the warps' moments about warp 0's shift
@@ -490,14 +517,21 @@ constexpr bool early_affine() {
 // GroupQuantArgs (a scale per group), then StridedRows (codes at out's offsets).
 // Two bodies (each_row): where every lane holds all its packs of every row (kFull: 16-bit rows of the common
 // hidden sizes) a pack's presence is its row's, one test; elsewhere each pack is tested. In both, the output's
-// common case (no cast before the weight, weight offset 0: kPlain) is tested once per row. sm_90 bf16 instructions
-// per element at N = 2048: LayerNorm 26.4 -> 19.3, RMSNorm 16.6 -> 10.8 (kernel audit), at 96 registers where they
-// took 80 and 64 (40 KB of loads in flight per SM, 32 from N = 8192); the registers are the kernel's, so rows that
-// take the general body (bf16 N = 768, 1536, 2560) have them too.
+// common case (no cast before the weight, weight offset 0, the weight and bias given: plain_output) is tested once
+// per row. sm_90 bf16 instructions per element at N = 2048 (kernel audit, as counted since 2026-12-05): LayerNorm
+// 21.1 -> 17.5, RMSNorm 11.8 -> 10.9; the registers are the kernel's, so rows that take the general body (bf16
+// N = 768, 1536, 2560) have them too.
 // Occupancy: one block of kMaxRowThreads per SM at least (128 registers); two (64 registers) spilled 236 bytes in
-// the bfloat16 RMSNorm kernel.
+// the bfloat16 RMSNorm kernel. 16-bit rows and weights (the full-row body, and the per-token quantized output) at
+// most 96 (forward_rows_registers), which keeps 40 KB of loads in flight per SM where their rows take 8 to 32 lanes
+// and 2 blocks of 320 threads at N = 5120 (the quantized bf16 LayerNorm took 102 without: 30 KB there).
+template <typename Tin, typename Th, typename Tw, bool kGroups>
+constexpr int forward_rows_registers() {
+  return !kGroups && sizeof(Tin) == 2 && sizeof(Th) == 2 && sizeof(Tw) == 2 ? 96 : 128;
+}
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual, typename... Extra>
-__global__ void __launch_bounds__(kMaxRowThreads, 1)
+__global__ void __launch_bounds__(kMaxRowThreads, 1) LNX_MAX_REGISTERS((forward_rows_registers<
+    Tin, Th, Tw, (std::is_same_v<Extra, GroupQuantArgs> || ...)>()))
     forward_rows_kernel(ForwardArgs<acc_t<Th>> a, Extra... extra) {
   using A = acc_t<Th>;
   constexpr bool kGroups = (std::is_same_v<Extra, GroupQuantArgs> || ...);
@@ -517,8 +551,17 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
   const int warp_lanes = a.lanes < 32 ? a.lanes : 32;
   const int warps = a.lanes / 32;  // > 1: the row spans the block
   const A inv_cols = static_cast<A>(a.inv_cols);
-  // Values of the row in this thread's warp, and their reciprocal (the warp's mean from its sum).
-  A warp_count = static_cast<A>(a.cols), inv_warp_count = inv_cols;
+  // LayerNorm's 16-bit rows, whose output's rounding hides a few ulps of float arithmetic: the shift is the mean of
+  // the warp's first packs (all the warp's values elsewhere), and h is replaced by d = h - shift in the statistics'
+  // pass, which the output then takes about the warp's shift (RowStats' corr holds the row's mean less it).
+  constexpr bool kNarrowRows = !kRms && sizeof(Th) == 2;
+  // Values of the row in this thread's warp (the merge's weight of the warp's moments), and the reciprocal of the
+  // count of those the shift is the mean of.
+  A warp_count = static_cast<A>(a.cols), inv_shift_count = inv_cols;
+  if (kNarrowRows) {
+    const int64_t left = a.units - (a.lanes > 32 ? lane / 32 * 32 : 0);
+    inv_shift_count = reciprocal(static_cast<A>((left < 0 ? 0 : (left < warp_lanes ? left : warp_lanes)) * kVec));
+  }
   if (a.lanes > 32) {
     const int64_t warp_first = lane / 32 * 32;
     int64_t count = 0;
@@ -528,7 +571,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
       count += left < 0 ? 0 : (left < 32 ? left : 32);
     }
     warp_count = static_cast<A>(count * kVec);
-    inv_warp_count = reciprocal(warp_count);
+    if (!kNarrowRows) inv_shift_count = reciprocal(warp_count);
   }
   int parity = 0;
   const int64_t row_step = static_cast<int64_t>(gridDim.x) * a.rows_per_block;
@@ -561,25 +604,32 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
       h_of_packs<Tin, Th, A, kVec, kPacks, kResidual>(a, at.residual + lane, at.residual_out + lane, valid, x, h);
       A shift = A(0);
       if constexpr (!kRms) {
+        // The shift, near the warp's mean, is all that exact centring needs: the sums of d below are about it. For
+        // 16-bit rows the mean of the warp's first packs (within sqrt(kPacks - 1) of the warp's standard deviation
+        // of its mean: at most 2 bits of the float variance's sums lost to cancellation, below the output's
+        // rounding), where all the packs' sum took 24 more additions per row (bf16 N = 2048).
         A sum = A(0);  // absent packs are zeros
 #pragma unroll
-        for (int p = 0; p < kPacks; ++p)
+        for (int p = 0; p < (kNarrowRows ? 1 : kPacks); ++p)
 #pragma unroll
           for (int j = 0; j < kVec; ++j) sum += h[p][j];
         Sums<A, 1> total{{sum}};
         if (warps > 1) total = warp_allreduce_32(total);  // whole warps: unrolled (a loop took 35 instructions)
         else total = warp_allreduce(total, warp_lanes);
-        shift = total.v[0] * inv_warp_count;  // near the warp's mean
+        shift = total.v[0] * inv_shift_count;
       }
       A first = A(0), second = A(0);  // LayerNorm: sum(d), sum(d^2); RMSNorm: sum(h^2)
+      // kFull: no absent pack in a row that counts, no test. (RMSNorm's absent packs add zeros, but without their
+      // test its general body took 104 registers, not 96.)
 #pragma unroll
       for (int p = 0; p < kPacks; ++p) {
-        if (valid[p]) {
+        if (kFull || valid[p]) {
 #pragma unroll
           for (int j = 0; j < kVec; ++j) {
             const A d = h[p][j] - shift;
             if constexpr (!kRms) first += d;
             second += d * d;
+            if constexpr (kNarrowRows) h[p][j] = d;  // the output's FADD of h - mean saved (32 a row at bf16 N = 2048)
           }
         }
       }
@@ -592,7 +642,8 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
           if (valid[p]) {
 #pragma unroll
             for (int j = 0; j < kVec; ++j) {
-              const double d = static_cast<double>(h[p][j]) - static_cast<double>(shift);
+              const double d = kNarrowRows ? static_cast<double>(h[p][j])  // already d
+                                           : static_cast<double>(h[p][j]) - static_cast<double>(shift);
               first_wide += d;
               second_wide += d * d;
             }
@@ -618,7 +669,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
           const SumPair<A, double> m = warp_allreduce(SumPair<A, double>{first_sum, second_sum}, warp_lanes);
           const A rest = m.s1 * inv_cols;  // mean(d): what the shift lacks of the row's mean
           const double m2 = ::fma(-static_cast<double>(m.s1), static_cast<double>(rest), m.s2);
-          st = finish_stats<kRms>(a, row, writer, shift, rest, m2);
+          st = finish_stats<kRms, kNarrowRows>(a, row, writer, shift, rest, m2, shift);
         }
       } else if constexpr (kRms) {
         A squares = warp_allreduce_32(Sums<A, 1>{{second}}).v[0];
@@ -640,7 +691,9 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
         const Sums<A, 2> m = warp_allreduce_32(Sums<A, 2>{{first, second}});
         if ((lane & 31) == 0) scratch[parity][lane / 32] = ShiftedMoments<A>{warp_count, shift, m.v[0], m.v[1]};
         __syncthreads();
-        RowMoments<A> mom = merge_shifted_moments([&](int i) { return scratch[parity][i]; }, warps, inv_cols);
+        auto warp_part = [&](int i) { return scratch[parity][i]; };
+        RowMoments<A> mom = kNarrowRows ? merge_shifted_moments_one_pass(warp_part, warps, inv_cols)
+                                        : merge_shifted_moments(warp_part, warps, inv_cols);
         if constexpr (kDouble) {
           // The merged mean keeps an ulp or two of the warps' shifts (1.6 ulps where ATen's is 0.4, rows of 1000
           // float64): the deviations from it, summed from the registers, correct it (a second barrier, float64 only).
@@ -658,9 +711,9 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
           __syncthreads();
           const double correction = merge_warp_sums(deviations[parity], warps) * a.inv_cols;  // small: 1/cols rounded is enough
           if (correction - correction == 0.0) mom = RowMoments<A>{row_shift, correction, mom.m2};  // a non-finite row keeps its merged mean (inf, NaN)
-          st = finish_stats<kRms>(a, row, writer, mom.centre, mom.rest, mom.m2);
+          st = finish_stats<kRms, kNarrowRows>(a, row, writer, mom.centre, mom.rest, mom.m2, shift);
         } else if (moments_finite(mom.m2)) {
-          st = finish_stats<kRms>(a, row, writer, mom.centre, mom.rest, mom.m2);
+          st = finish_stats<kRms, kNarrowRows>(a, row, writer, mom.centre, mom.rest, mom.m2, shift);
         } else {
           cold_path();
           double first_wide, second_wide;
@@ -672,7 +725,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
           }
           __syncthreads();
           const RowMoments<double> w = merge_shifted_moments([&](int i) { return wide_scratch[i]; }, warps, a.inv_cols);
-          st = finish_stats<kRms>(a, row, writer, w.centre, w.rest, w.m2);
+          st = finish_stats<kRms, kNarrowRows>(a, row, writer, w.centre, w.rest, w.m2, shift);
         }
       }
       parity ^= 1;  // the next row's round writes the other half: no second barrier
@@ -682,16 +735,20 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
       };
       if constexpr (!kQuant) {
         auto store_packs = [&](auto plain_tag) {
+          constexpr bool kPlain = decltype(plain_tag)::value;
+          if (!kFull || row_ok) {  // kFull: one test for the row's packs
 #pragma unroll
-          for (int p = 0; p < kPacks; ++p) {
-            if (valid[p]) {
-              const int col_unit = p * a.lanes + lane;  // < units: an int
-              normalize_store_at<Tin, Tw, kRms, A, kVec, decltype(plain_tag)::value>(a, at.out + col_unit, h[p], st,
-                                                                                     affine(p), a.cast_before_weight);
+            for (int p = 0; p < kPacks; ++p) {
+              if (kFull || valid[p]) {
+                const int col_unit = p * a.lanes + lane;  // < units: an int
+                const AffinePack<Tw, kVec> wb_p = kEarly ? affine(p) : load_affine<Tw, kRms, A, kVec, kPlain>(a, col_unit);
+                normalize_store_at<Tin, Tw, kRms, A, kVec, kPlain>(a, at.out + col_unit, h[p], st, wb_p,
+                                                                   a.cast_before_weight);
+              }
             }
           }
         };
-        if (!a.cast_before_weight && a.weight_offset == A(0)) store_packs(std::true_type{});
+        if (plain_output<kRms>(a)) store_packs(std::true_type{});
         else store_packs(std::false_type{});
       } else if constexpr (kGroups) {
         // Per group: each pack's absmax, all-reduced over the lanes of its group (in a sub-warp row whose groups are
@@ -1090,11 +1147,12 @@ __global__ void __launch_bounds__(kMaxRowThreads) forward_long_kernel(ForwardArg
       if constexpr (!kQuant) {
         auto store_packs = [&](auto plain_tag) {
           for_each_pack([&](int64_t unit, A (&h)[kVec]) {
-            normalize_store<Tin, Tw, kRms, A, kVec, decltype(plain_tag)::value>(
-                a, row, unit, h, st, load_affine<Tw, kRms, A, kVec>(a, unit), a.cast_before_weight);
+            constexpr bool kPlain = decltype(plain_tag)::value;
+            normalize_store<Tin, Tw, kRms, A, kVec, kPlain>(
+                a, row, unit, h, st, load_affine<Tw, kRms, A, kVec, kPlain>(a, unit), a.cast_before_weight);
           });
         };
-        if (!a.cast_before_weight && a.weight_offset == A(0)) store_packs(std::true_type{});
+        if (plain_output<kRms>(a)) store_packs(std::true_type{});
         else store_packs(std::false_type{});
       } else if (quant_args(quant...).group_units > 0) {
         // Per group (a group's packs in lanes of one warp): one pass, its bounds the block's (the butterflies); each
