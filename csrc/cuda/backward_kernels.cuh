@@ -224,6 +224,7 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs<acc_t<Ts>>& a, 
                             : threadIdx.x % a.lanes;
   const bool want_dweight = a.partial_dweight != nullptr;
   const bool want_dbias = a.partial_dbias != nullptr;
+  const bool both_partials = want_dweight && (kRms || want_dbias);
   bool lane_cols[kPacks];  // this lane's packs exist (the row's length need not fill the last round of lanes)
 #pragma unroll
   for (int p = 0; p < kPacks; ++p) lane_cols[p] = static_cast<int64_t>(p) * a.lanes + lane < a.units;
@@ -242,10 +243,13 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs<acc_t<Ts>>& a, 
 #pragma unroll
     for (int j = 0; j < kVec; ++j) dweight[p][j] = dbias[p][j] = A(0);
 
-  // One row of the group: kFromOutput as a type (both modes compiled, chosen once per row).
+  // One row of the group, its variant chosen once per row: kFromOutput (the memory-efficient mode) and kBothPartials
+  // (dweight and dbias (RMSNorm: dweight) both wanted, the default mode's common case) as types: three bodies.
+  // Tested per pack instead, the partials took 12 instructions a pack (bf16 LayerNorm).
   int parity = 0;
-  auto process_row = [&](int64_t row, auto from_output) {
+  auto process_row = [&](int64_t row, auto from_output, auto both_partials) {
     constexpr bool kFromOutput = decltype(from_output)::value;
+    constexpr bool kBothPartials = decltype(both_partials)::value;
     const bool row_ok = row < a.rows;
     bool valid[kPacks];
 #pragma unroll
@@ -256,10 +260,12 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs<acc_t<Ts>>& a, 
     RawPack<Ts, kVec> saved_raw[kPacks];
     RawPack<Ts, kVec> extra_raw[kResidual ? kPacks : 1];
     RawPack<Tw, kVec> b_raw[kFromOutput && !kRms ? kPacks : 1];
-    load_packs<Tg, kVec, kPacks>(a.grad_out, at.grad_out + lane, a.lanes, valid, dy_raw);
-    load_packs<Ts, kVec, kPacks>(a.saved, at.saved + lane, a.lanes, valid, saved_raw);
+    // Only valid packs are read below: no zeros for the others (8 instructions a row, bf16 LayerNorm).
+    load_packs<Tg, kVec, kPacks, false>(a.grad_out, at.grad_out + lane, a.lanes, valid, dy_raw);
+    load_packs<Ts, kVec, kPacks, false>(a.saved, at.saved + lane, a.lanes, valid, saved_raw);
     if constexpr (kResidual) {
-      load_packs<Ts, kVec, kPacks>(a.grad_residual_out, at.grad_residual_out + lane, a.lanes, valid, extra_raw);
+      load_packs<Ts, kVec, kPacks, false>(a.grad_residual_out, at.grad_residual_out + lane, a.lanes, valid,
+                                          extra_raw);
     }
     if constexpr (kFromOutput && !kRms) {
       bool has_bias[kPacks];
@@ -285,7 +291,7 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs<acc_t<Ts>>& a, 
       }
     }
     if constexpr (kCluster) s = cluster_allreduce<kMaxRowThreads>(s, a.lanes / 32, scratch[parity]);
-    else s = row_allreduce_one_barrier(s, a.lanes, scratch[parity]);
+    else s = row_allreduce_one_barrier<true>(s, a.lanes, scratch[parity]);
     parity ^= 1;
     RowCoefficients<A> c = row_coefficients<kRms>(a, rstd, s);
     // LayerNorm of one element: dx is 0, but nvcc fuses g = dy * w into g - mean_g, whose exact product then misses
@@ -307,8 +313,8 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs<acc_t<Ts>>& a, 
           const A centred = d - c.delta;
           dx[j] = grad_input_term(c, centred, g);
           if constexpr (kResidual) dx[j] += raw_element<A>(extra_raw[p], j);
-          if (want_dweight) dweight[p][j] += dy * (centred * c.xscale);
-          if (want_dbias) dbias[p][j] += dy;
+          if (kBothPartials || want_dweight) dweight[p][j] += dy * (centred * c.xscale);
+          if (!kRms && (kBothPartials || want_dbias)) dbias[p][j] += dy;
         }
         store_pack<Ts, A, kVec>(a.grad_input, first_unit + static_cast<int64_t>(p) * a.lanes, dx);
       }
@@ -317,8 +323,9 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs<acc_t<Ts>>& a, 
   const int64_t row_step = static_cast<int64_t>(gridDim.x / cluster) * a.rows_per_block;
   const int64_t part = blockIdx.x / cluster;  // the block's (or cluster's) row of the partial buffers
   for (int64_t base = part * a.rows_per_block; base < a.rows; base += row_step) {
-    if (a.saved_is_output) process_row(base + group, std::true_type{});
-    else process_row(base + group, std::false_type{});
+    if (a.saved_is_output) process_row(base + group, std::true_type{}, std::false_type{});
+    else if (both_partials) process_row(base + group, std::false_type{}, std::true_type{});
+    else process_row(base + group, std::false_type{}, std::false_type{});
   }
   // Block partials: group 0 adds the other groups' values in group order, then writes the block's row.
   if (want_dweight) write_block_partials(a, dweight, a.partial_dweight, combine_buf, group, lane, part);
