@@ -224,7 +224,8 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs<acc_t<Ts>>& a, 
                             : threadIdx.x % a.lanes;
   const bool want_dweight = a.partial_dweight != nullptr;
   const bool want_dbias = a.partial_dbias != nullptr;
-  const bool both_partials = want_dweight && (kRms || want_dbias);
+  // 16-bit rows only: with the third body, float and double rows with grad_residual_out spilled 2-3 times the stores.
+  const bool both_partials = sizeof(Ts) == 2 && want_dweight && (kRms || want_dbias);
   bool lane_cols[kPacks];  // this lane's packs exist (the row's length need not fill the last round of lanes)
 #pragma unroll
   for (int p = 0; p < kPacks; ++p) lane_cols[p] = static_cast<int64_t>(p) * a.lanes + lane < a.units;
@@ -260,12 +261,14 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs<acc_t<Ts>>& a, 
     RawPack<Ts, kVec> saved_raw[kPacks];
     RawPack<Ts, kVec> extra_raw[kResidual ? kPacks : 1];
     RawPack<Tw, kVec> b_raw[kFromOutput && !kRms ? kPacks : 1];
-    // Only valid packs are read below: no zeros for the others (8 instructions a row, bf16 LayerNorm).
-    load_packs<Tg, kVec, kPacks, false>(a.grad_out, at.grad_out + lane, a.lanes, valid, dy_raw);
-    load_packs<Ts, kVec, kPacks, false>(a.saved, at.saved + lane, a.lanes, valid, saved_raw);
+    // Only valid packs are read below: no zeros for the others (8 instructions a row, bf16 LayerNorm), but in double
+    // rows (without them, ptxas spilled 14-16 stores where 7-9, sm_90).
+    constexpr bool kZeros = sizeof(A) == 8;
+    load_packs<Tg, kVec, kPacks, kZeros>(a.grad_out, at.grad_out + lane, a.lanes, valid, dy_raw);
+    load_packs<Ts, kVec, kPacks, kZeros>(a.saved, at.saved + lane, a.lanes, valid, saved_raw);
     if constexpr (kResidual) {
-      load_packs<Ts, kVec, kPacks, false>(a.grad_residual_out, at.grad_residual_out + lane, a.lanes, valid,
-                                          extra_raw);
+      load_packs<Ts, kVec, kPacks, kZeros>(a.grad_residual_out, at.grad_residual_out + lane, a.lanes, valid,
+                                           extra_raw);
     }
     if constexpr (kFromOutput && !kRms) {
       bool has_bias[kPacks];
@@ -291,7 +294,8 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs<acc_t<Ts>>& a, 
       }
     }
     if constexpr (kCluster) s = cluster_allreduce<kMaxRowThreads>(s, a.lanes / 32, scratch[parity]);
-    else s = row_allreduce_one_barrier<true>(s, a.lanes, scratch[parity]);
+    // Double rows' butterflies stay a loop: unrolled, with their packs' zeros skipped, ptxas spilled twice the stores.
+    else s = row_allreduce_one_barrier<sizeof(A) == 4>(s, a.lanes, scratch[parity]);
     parity ^= 1;
     RowCoefficients<A> c = row_coefficients<kRms>(a, rstd, s);
     // LayerNorm of one element: dx is 0, but nvcc fuses g = dy * w into g - mean_g, whose exact product then misses

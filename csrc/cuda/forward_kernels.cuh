@@ -519,19 +519,20 @@ constexpr bool early_affine() {
 // hidden sizes) a pack's presence is its row's, one test; elsewhere each pack is tested. In both, the output's
 // common case (no cast before the weight, weight offset 0, the weight and bias given: plain_output) is tested once
 // per row. sm_90 bf16 instructions per element at N = 2048 (kernel audit, as counted since 2026-12-05): LayerNorm
-// 21.1 -> 17.5, RMSNorm 11.8 -> 10.9; the registers are the kernel's, so rows that take the general body (bf16
+// 21.1 -> 17.0, RMSNorm 11.8 -> 10.9; the registers are the kernel's, so rows that take the general body (bf16
 // N = 768, 1536, 2560) have them too.
 // Occupancy: one block of kMaxRowThreads per SM at least (128 registers); two (64 registers) spilled 236 bytes in
-// the bfloat16 RMSNorm kernel. 16-bit rows and weights (the full-row body, and the per-token quantized output) at
-// most 96 (forward_rows_registers), which keeps 40 KB of loads in flight per SM where their rows take 8 to 32 lanes
-// and 2 blocks of 320 threads at N = 5120 (the quantized bf16 LayerNorm took 102 without: 30 KB there).
-template <typename Tin, typename Th, typename Tw, bool kGroups>
+// the bfloat16 RMSNorm kernel. 16-bit rows and weights without a residual (the full-row body, and the per-token
+// quantized output) at most 96 (forward_rows_registers; with a residual, 96 spilled 2 stores in RMSNorm), which
+// keeps 40 KB of loads in flight per SM where their rows take 8 to 32 lanes and 2 blocks of 320 threads at N = 5120
+// (the quantized bf16 LayerNorm took 102 without: 30 KB there).
+template <typename Tin, typename Th, typename Tw, bool kResidual, bool kGroups>
 constexpr int forward_rows_registers() {
-  return !kGroups && sizeof(Tin) == 2 && sizeof(Th) == 2 && sizeof(Tw) == 2 ? 96 : 128;
+  return !kResidual && !kGroups && sizeof(Tin) == 2 && sizeof(Th) == 2 && sizeof(Tw) == 2 ? 96 : 128;
 }
 template <typename Tin, typename Th, typename Tw, bool kRms, int kVec, int kPacks, bool kResidual, typename... Extra>
 __global__ void __launch_bounds__(kMaxRowThreads, 1) LNX_MAX_REGISTERS((forward_rows_registers<
-    Tin, Th, Tw, (std::is_same_v<Extra, GroupQuantArgs> || ...)>()))
+    Tin, Th, Tw, kResidual, (std::is_same_v<Extra, GroupQuantArgs> || ...)>()))
     forward_rows_kernel(ForwardArgs<acc_t<Th>> a, Extra... extra) {
   using A = acc_t<Th>;
   constexpr bool kGroups = (std::is_same_v<Extra, GroupQuantArgs> || ...);
