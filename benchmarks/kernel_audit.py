@@ -267,7 +267,7 @@ def analyze_row_path(function: sass.Function, arch: Arch, plan: dict, op: str, d
         # the parameters alone left: taken again until the loop stays the same (with the other body's back edge
         # dropped, the row index of the one run arrived unknown, its tests stayed open, and the path went around
         # the LayerNorm statistics' sums of d and d^2: bf16 N = 2048 counted 19.3 instructions per element).
-        first_pass: frozenset = frozenset()
+        first_pass: frozenset | None = None  # at least one pass with the arguments, a row loop found or not
         for _ in range(4):
             wanted = frozenset({(row_loop.latch, row_loop.header)}) if row_loop else frozenset()
             if wanted == first_pass:

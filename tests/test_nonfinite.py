@@ -263,6 +263,10 @@ def _extreme_rows(kind: str, dtype: torch.dtype, rows: int, n: int, gen: torch.G
     if kind == "max":  # the dtype's largest finite values (half of them halved), both signs
         top = torch.full_like(z, torch.finfo(dtype).max)
         return torch.where(z < 0, -top, top) * torch.where(z.abs() < 0.5, 0.5, 1.0)
+    if kind == "max_split":  # the largest values, the row's first quarter negative, the rest positive: a shift
+        # taken from the first values (the CUDA kernels' 16-bit LayerNorm rows) is near -max, and h - shift overflowed
+        top = torch.full_like(z, torch.finfo(dtype).max)
+        return torch.where(torch.arange(n).expand(rows, n) < max(1, n // 4), -top, top)
     if kind == "denormal":  # every element subnormal in the dtype
         tiny = torch.finfo(dtype).smallest_normal
         return z.clamp(-1, 1) * 0.5 * tiny
@@ -274,7 +278,7 @@ def _extreme_rows(kind: str, dtype: torch.dtype, rows: int, n: int, gen: torch.G
     raise ValueError(kind)
 
 
-EXTREME_KINDS = ("overflow", "max", "denormal", "zero", "huge_mean")
+EXTREME_KINDS = ("overflow", "max", "max_split", "denormal", "zero", "huge_mean")
 EXTREME_VARIANTS = (("layer_norm", False), ("rms_norm", False), ("add_rms_norm", False), ("layer_norm", True))
 EXTREME_DTYPES = ((F32, F32), (BF16, F32), (F16, F16), (F64, F64))
 
@@ -301,7 +305,7 @@ def run_extremes(variant: tuple[str, bool], n: int, dtypes: tuple[torch.dtype, t
         if "layer" in fn and affine == "w":
             affine = "wb"
         for kind in EXTREME_KINDS:
-            if dtypes[0] == F64 and kind in ("max", "overflow", "huge_mean"):
+            if dtypes[0] == F64 and kind in ("max", "max_split", "overflow", "huge_mean"):
                 # No wider type to fall back to: squares of float64 values beyond ~1e154 overflow, ours as
                 # ATen's. And rows of 1e150 (N = 1 LayerNorm, whose input gradient is exactly 0) or a mean
                 # 1e6 times the spread cost ours and ATen the same digits, but not to the rule's 8 ulps.

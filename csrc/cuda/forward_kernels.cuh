@@ -618,6 +618,10 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) LNX_MAX_REGISTERS((forward_
         if (warps > 1) total = warp_allreduce_32(total);  // whole warps: unrolled (a loop took 35 instructions)
         else total = warp_allreduce(total, warp_lanes);
         shift = total.v[0] * inv_shift_count;
+        // 16-bit rows keep h - shift in float: a shift beyond 2^119 (or not finite) could make it overflow where
+        // the row's values are finite (bf16 values of both signs near its maximum: NaN statistics), so such a row
+        // is summed about 0, and its float sums overflow into the double path, which then has its values exact.
+        if (kNarrowRows && !(magnitude(shift) <= A(0x1p119f))) shift = A(0);
       }
       A first = A(0), second = A(0);  // LayerNorm: sum(d), sum(d^2); RMSNorm: sum(h^2)
       // kFull: no absent pack in a row that counts, no test. (RMSNorm's absent packs add zeros, but without their
