@@ -43,8 +43,9 @@ inline c10::DataPtr workspace(size_t bytes) { return c10::cuda::CUDACachingAlloc
 }  // namespace layernorm_ext
 #endif
 
-// A kernel's register cap (nvcc 12.4 on; older ones, and the host emulation, go by __launch_bounds__ alone).
-#if defined(__CUDACC_VER_MAJOR__) && (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
+// A kernel's register cap beside __launch_bounds__: nvcc 13 (checked with 13.0). __maxnreg__ exists from 12.4, but its
+// combination with __launch_bounds__ was not tried there; older nvcc and the host emulation go by the bounds alone.
+#if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ >= 13
 #define LNX_MAX_REGISTERS(n) __maxnreg__(n)
 #else
 #define LNX_MAX_REGISTERS(n)
